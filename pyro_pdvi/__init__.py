@@ -1,0 +1,25 @@
+"""pyro-pdvi: scalable mean-field VI by preconditioned primal-dual optimisation
+(PD-VI and P2D-VI), as a drop-in replacement for :class:`pyro.infer.SVI`."""
+
+from .infer import (
+    PDVI,
+    BlockPartition,
+    BlockProblem,
+    BlockSolution,
+    ConsensusState,
+    LocalSolver,
+    NonFiniteStepError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PDVI",
+    "BlockPartition",
+    "BlockProblem",
+    "BlockSolution",
+    "ConsensusState",
+    "LocalSolver",
+    "NonFiniteStepError",
+    "__version__",
+]

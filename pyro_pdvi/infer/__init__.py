@@ -1,0 +1,16 @@
+"""Inference: the PDVI engine and its parts."""
+
+from .blocks import BlockPartition
+from .consensus import ConsensusState
+from .pdvi import PDVI, NonFiniteStepError
+from .primal import BlockProblem, BlockSolution, LocalSolver
+
+__all__ = [
+    "PDVI",
+    "BlockPartition",
+    "BlockProblem",
+    "BlockSolution",
+    "ConsensusState",
+    "LocalSolver",
+    "NonFiniteStepError",
+]

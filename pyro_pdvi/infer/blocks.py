@@ -1,0 +1,114 @@
+"""Fixed data blocks: the partition of ``range(N)`` that PD-VI keeps a dual per.
+
+The paper [1] splits the data into ``n`` fixed blocks (a block may be a single
+datum, or a spatial patch) and keeps one dual variable per block. This module
+validates such a partition once, and maps the subsample indices that a Pyro
+``plate`` records back to the blocks they are made of.
+
+[1] Lyu, Yu, Ma, Shi (2026), "Scalable Mean-Field Variational Inference via
+    Preconditioned Primal-Dual Optimization", arXiv:2602.07632, Sec. 3.3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _preview(values: torch.Tensor, limit: int = 8) -> str:
+    items = values.tolist()
+    text = ", ".join(str(v) for v in items[:limit])
+    return f"[{text}{', ...' if len(items) > limit else ''}] ({len(items)} in all)"
+
+
+class BlockPartition:
+    """A validated partition of ``range(num_data)`` into fixed blocks.
+
+    :param blocks: 1-D integer tensors (or sequences of ints); together they
+        must hold every index in ``range(N)`` exactly once, where ``N`` is the
+        total number of indices.
+    :raises ValueError: if a block is empty, not 1-D, not integer, or if the
+        blocks overlap or leave gaps; the message names the block and indices.
+    """
+
+    def __init__(self, blocks: Sequence[torch.Tensor | Sequence[int]]) -> None:
+        if isinstance(blocks, torch.Tensor) or not isinstance(blocks, Sequence):
+            raise ValueError(
+                "blocks must be a list of 1-D LongTensors that partition range(N), "
+                f"got {type(blocks).__name__}"
+            )
+        if len(blocks) == 0:
+            raise ValueError("blocks must hold at least one block, got an empty list")
+        tensors = []
+        for b, block in enumerate(blocks):
+            block = torch.as_tensor(block)
+            if block.dim() != 1 or block.numel() == 0:
+                raise ValueError(
+                    f"block {b} must be a non-empty 1-D tensor of indices, got shape {tuple(block.shape)}"
+                )
+            if block.dtype.is_floating_point or block.dtype == torch.bool:
+                raise ValueError(f"block {b} must hold integer indices, got dtype {block.dtype}")
+            tensors.append(block.detach().to("cpu", torch.long))
+        self.blocks: list[torch.Tensor] = tensors
+        self.sizes = torch.tensor([len(b) for b in tensors])
+        self.num_data = int(self.sizes.sum())
+
+        block_of = torch.full((self.num_data,), -1, dtype=torch.long)
+        for b, block in enumerate(tensors):
+            outside = block[(block < 0) | (block >= self.num_data)]
+            if outside.numel():
+                raise ValueError(
+                    f"blocks do not partition range({self.num_data}): block {b} holds "
+                    f"indices outside that range {_preview(outside)}"
+                )
+            if block.unique().numel() != block.numel():
+                raise ValueError(f"block {b} holds a repeated index; each index must appear once")
+            taken = block_of[block]
+            if (taken >= 0).any():
+                first = int(taken[taken >= 0][0])
+                shared = block[taken >= 0]
+                raise ValueError(
+                    f"blocks do not partition range({self.num_data}): blocks {first} and {b} "
+                    f"share the indices {_preview(shared)}"
+                )
+            block_of[block] = b
+        # With sizes summing to N and no overlap, no index can be missing.
+        self.block_of = block_of
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def blocks_in(self, indices: torch.Tensor) -> torch.Tensor:
+        """The blocks whose union is exactly ``indices``.
+
+        :param indices: subsample indices recorded by the data plate.
+        :returns: the sorted block ids, a LongTensor.
+        :raises ValueError: naming the foreign indices when ``indices`` is not a
+            union of whole blocks.
+        """
+        indices = torch.as_tensor(indices).detach().to("cpu", torch.long).reshape(-1)
+        outside = indices[(indices < 0) | (indices >= self.num_data)]
+        if outside.numel():
+            raise ValueError(
+                f"the step's subsample holds indices outside range({self.num_data}) "
+                f"covered by the blocks: {_preview(outside)}"
+            )
+        if indices.unique().numel() != indices.numel():
+            raise ValueError("the step's subsample holds a repeated index")
+        ids = self.block_of[indices]
+        block_ids, counts = ids.unique(return_counts=True)
+        partial = block_ids[counts != self.sizes[block_ids]]
+        if partial.numel():
+            b = int(partial[0])
+            present = torch.zeros(self.num_data, dtype=torch.bool)
+            present[indices] = True
+            missing = self.blocks[b][~present[self.blocks[b]]]
+            foreign = indices[ids == b]
+            raise ValueError(
+                f"the step's subsample is not a union of whole blocks: it holds "
+                f"{foreign.numel()} indices of block {b} {_preview(foreign)} but not the "
+                f"block's indices {_preview(missing)}. Pass blocks[b] (or a union of whole "
+                "blocks) as the plate's subsample."
+            )
+        return block_ids

@@ -1,0 +1,122 @@
+"""Dual and consensus state of PD-VI: the duals ``mu_b``, the block copies
+``lambda_b`` and the consensus ``lambda_0`` [1, Alg. 1], on one flat vector.
+
+With ``H = diag(step_sizes)`` (``D = H^{-1}`` in the augmented Lagrangian):
+
+* dual step, for each block ``b`` of the step: ``mu_b += D (lambda_b - lambda_0)``;
+* ``h = H * mean_b(mu_b)``, kept exactly through the running dual mean
+  (the paper's ``h += (1/n) sum_{b in S} (lambda_b - lambda_0)`` is the same
+  update when ``H`` is fixed);
+* global step, one of two rules that share the same fixed point:
+
+  - ``"paper"``: ``lambda_0 = gamma + h`` with ``gamma`` the mean of this
+    step's block copies, as in the paper;
+  - ``"consensus"`` (default): ``lambda_0 = mean_b(lambda_b) + h`` over every
+    block's latest copy, the exact minimiser of the augmented Lagrangian in
+    ``lambda_0`` [1, Sec. 3.3]. With one block per step the paper's rule hands
+    that block's Monte Carlo noise to ``lambda_0`` in full; averaging all
+    copies divides it by about ``sqrt(n)`` (measured in docs/benchmarks.md).
+
+[1] Lyu, Yu, Ma, Shi (2026), arXiv:2602.07632.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+GLOBAL_UPDATES = ("consensus", "paper")
+
+
+class ConsensusUpdate(NamedTuple):
+    """A computed, not yet applied, update of :class:`ConsensusState`."""
+
+    block_ids: torch.Tensor
+    copies: torch.Tensor
+    duals: torch.Tensor
+    dual_mean: torch.Tensor
+    copy_mean: torch.Tensor
+    consensus: torch.Tensor
+
+
+class ConsensusState:
+    """Per-block duals and copies of the global params, and their consensus.
+
+    :param consensus: initial ``lambda_0``, a flat vector of size P.
+    :param num_blocks: n, the number of blocks.
+    :param step_sizes: per-coordinate step sizes ``eta`` (size P), the diagonal of H.
+    :param global_update: ``"consensus"`` or ``"paper"`` (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        consensus: torch.Tensor,
+        num_blocks: int,
+        step_sizes: torch.Tensor,
+        global_update: str = "consensus",
+    ) -> None:
+        if global_update not in GLOBAL_UPDATES:
+            raise ValueError(f"global_update must be one of {GLOBAL_UPDATES}, got {global_update!r}")
+        self.global_update = global_update
+        self.num_blocks = num_blocks
+        self.consensus = consensus.detach().clone()
+        self.step_sizes = step_sizes.detach().clone()
+        self.duals = consensus.new_zeros(num_blocks, consensus.numel())
+        self.copies = self.consensus.expand(num_blocks, -1).clone()
+        self.dual_mean = torch.zeros_like(self.consensus)
+        self.copy_mean = self.consensus.clone()
+
+    @property
+    def h(self) -> torch.Tensor:
+        """``h = H * mean_b(mu_b)``, the dual correction of the consensus."""
+        return self.step_sizes * self.dual_mean
+
+    def propose(self, block_ids: torch.Tensor, copies: torch.Tensor) -> ConsensusUpdate:
+        """Compute the dual and global update for new block copies, without applying it.
+
+        :param block_ids: the distinct blocks of this step, shape (m,).
+        :param copies: their new copies ``lambda_b``, shape (m, P).
+        """
+        block_ids = block_ids.to(self.duals.device)
+        duals = self.duals[block_ids] + (copies - self.consensus) / self.step_sizes
+        dual_mean = self.dual_mean + (duals - self.duals[block_ids]).sum(0) / self.num_blocks
+        copy_mean = self.copy_mean + (copies - self.copies[block_ids]).sum(0) / self.num_blocks
+        base = copies.mean(0) if self.global_update == "paper" else copy_mean
+        consensus = base + self.step_sizes * dual_mean
+        return ConsensusUpdate(block_ids, copies, duals, dual_mean, copy_mean, consensus)
+
+    def apply(self, update: ConsensusUpdate) -> None:
+        """Apply a proposal from :meth:`propose`."""
+        self.duals[update.block_ids] = update.duals
+        self.copies[update.block_ids] = update.copies
+        self.dual_mean = update.dual_mean
+        self.copy_mean = update.copy_mean
+        self.consensus = update.consensus
+
+    def set_step_sizes(self, step_sizes: torch.Tensor) -> None:
+        """Change H. The duals are kept, so ``lambda_0`` moves with ``h = H * mean(mu)``."""
+        old_h = self.h
+        self.step_sizes = step_sizes.detach().clone().to(self.consensus)
+        self.consensus = self.consensus - old_h + self.h
+
+    def state_dict(self) -> dict[str, torch.Tensor | str]:
+        return {
+            "global_update": self.global_update,
+            "consensus": self.consensus.clone(),
+            "step_sizes": self.step_sizes.clone(),
+            "duals": self.duals.clone(),
+            "copies": self.copies.clone(),
+            "dual_mean": self.dual_mean.clone(),
+            "copy_mean": self.copy_mean.clone(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["duals"].shape != self.duals.shape:
+            raise ValueError(
+                f"saved PDVI state has duals of shape {tuple(state['duals'].shape)} "
+                f"(blocks x global coordinates) but this PDVI has {tuple(self.duals.shape)}"
+            )
+        self.global_update = state["global_update"]
+        for key in ("consensus", "step_sizes", "duals", "copies", "dual_mean", "copy_mean"):
+            setattr(self, key, state[key].detach().clone().to(self.duals))

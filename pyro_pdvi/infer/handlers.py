@@ -1,0 +1,107 @@
+"""Effect handlers PDVI runs a model and guide under.
+
+* :class:`BlockSubsample` makes the data plate subsample exactly one block, so a
+  step over several blocks can evaluate each block's objective ``f_b`` alone.
+* :class:`ParamOverride` feeds the primal solver's own tensors (a block's copy
+  of the global parameters and its local rows) to ``pyro.param`` sites, so the
+  solve never writes to the param store until the step is accepted.
+* :class:`FixedNoise` holds the Monte Carlo noise fixed inside one primal
+  solve, so a quasi-Newton solver sees a deterministic objective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.runtime import Message
+from torch.distributions import constraints, transform_to
+
+
+def is_subsample_site(msg: Message) -> bool:
+    """Whether a trace node or message is the subsample site of a ``pyro.plate``."""
+    return msg["type"] == "sample" and type(msg["fn"]).__name__ == "_Subsample"
+
+
+class BlockSubsample(Messenger):
+    """Replace the subsample of the plate ``plate_name`` by ``indices``.
+
+    :param plate_name: name of the data plate.
+    :param indices: the block's data indices.
+    """
+
+    def __init__(self, plate_name: str, indices: torch.Tensor) -> None:
+        super().__init__()
+        self.plate_name = plate_name
+        self.indices = indices
+
+    def _process_message(self, msg: Message) -> None:
+        if msg["name"] == self.plate_name and is_subsample_site(msg):
+            msg["value"] = self.indices.to(msg["fn"].device)
+
+
+class ParamOverride(Messenger):
+    """Serve ``pyro.param(name)`` from given unconstrained tensors.
+
+    :param unconstrained: site name -> unconstrained value (full shape, may be a
+        non-leaf tensor that depends on the solver's leaves).
+    :param site_constraints: site name -> constraint of that param.
+    """
+
+    def __init__(
+        self,
+        unconstrained: dict[str, torch.Tensor],
+        site_constraints: dict[str, constraints.Constraint],
+    ) -> None:
+        super().__init__()
+        self.unconstrained = unconstrained
+        self.site_constraints = site_constraints
+
+    def _pyro_param(self, msg: Message) -> None:
+        name = msg["name"]
+        if name not in self.unconstrained:
+            return
+        free = self.unconstrained[name]
+        value = transform_to(self.site_constraints[name])(free)
+        # SubsampleMessenger reads this to slice params with event_dim set.
+        value._pyro_unconstrained_param = free
+        msg["value"] = value
+        msg["done"] = True
+
+
+class FixedNoise:
+    """The same Monte Carlo noise for every evaluation of one block objective.
+
+    Common random numbers: the generator state for ``seed`` is built once, and
+    each ``with noise():`` block runs from that state, then puts back the state
+    the caller had. Restoring a saved state is much cheaper than reseeding.
+
+    :param seed: the seed of this solve.
+    :param device: device of the model; its CUDA generator is fixed too.
+    """
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        with torch.random.fork_rng(devices=[device] if self.cuda else []):
+            torch.default_generator.manual_seed(seed)
+            self.cpu_state = torch.get_rng_state()
+            if self.cuda:
+                torch.cuda.manual_seed(seed)
+                self.cuda_state = torch.cuda.get_rng_state(device)
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        saved_cpu = torch.get_rng_state()
+        saved_cuda = torch.cuda.get_rng_state(self.device) if self.cuda else None
+        torch.set_rng_state(self.cpu_state)
+        if self.cuda:
+            torch.cuda.set_rng_state(self.cuda_state, self.device)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(saved_cpu)
+            if self.cuda:
+                torch.cuda.set_rng_state(saved_cuda, self.device)

@@ -1,0 +1,496 @@
+"""PDVI: preconditioned primal-dual variational inference as a drop-in for SVI.
+
+PD-VI [1] keeps, for each fixed data block ``b``, a copy ``lambda_b`` of the
+global variational parameters and a dual ``mu_b``. A step over the blocks
+``S`` of its subsample
+
+1. solves each block's augmented Lagrangian (primal step) for ``(phi_b, lambda_b)``,
+2. moves each dual, ``mu_b += D (lambda_b - lambda_0)``,
+3. moves the consensus ``lambda_0``, which is what the param store then holds.
+
+P2D-VI is the same with ``D = blkdiag(I/eta_j)`` over groups of sites. The
+update equations are written out in ``shared/docs/algorithm.md`` and in the
+modules :mod:`~pyro_pdvi.infer.primal` and :mod:`~pyro_pdvi.infer.consensus`.
+
+[1] Lyu, Yu, Ma, Shi (2026), "Scalable Mean-Field Variational Inference via
+    Preconditioned Primal-Dual Optimization", arXiv:2602.07632.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pyro
+import torch
+from pyro import poutine
+from pyro.infer import ELBO
+from pyro.optim import PyroOptim
+
+from .blocks import BlockPartition
+from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate
+from .handlers import FixedNoise
+from .objective import BlockObjective
+from .preconditioner import (
+    Group,
+    check_eta,
+    coordinate_groups,
+    estimate_curvatures,
+    resolve_groups,
+)
+from .primal import INNER_SOLVERS, BlockProblem, BlockSolution, LocalSolver, minimize
+from .sites import DataPlate, GlobalLayout, find_data_plate, split_param_sites
+
+
+class NonFiniteStepError(RuntimeError):
+    """A step produced a non-finite loss or update; nothing was changed."""
+
+
+def _check_positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Invalid {name}: {value!r}; use a positive int")
+    return value
+
+
+class PDVI:
+    """Primal-dual mean-field VI over fixed data blocks, with the interface of
+    :class:`pyro.infer.SVI`.
+
+    Replace ``SVI(model, guide, optim, loss)`` by ``PDVI(model, guide, optim,
+    loss, blocks=blocks)`` and pass one block's indices (or a union of whole
+    blocks) as the subsample of the data plate in each step::
+
+        pdvi = PDVI(model, guide, pyro.optim.Adam({"lr": 0.01}),
+                    TraceMeanField_ELBO(), blocks=blocks)
+        for epoch in range(num_epochs):
+            for b in torch.randperm(len(blocks)).tolist():
+                loss = pdvi.step(data, blocks[b])
+
+    The model and guide must wrap their per-datum sites in a ``pyro.plate`` of
+    size ``N`` with ``subsample=`` and index the data with the plate's indices.
+    Params created inside that plate with ``event_dim`` set are local (their
+    rows are the block's ``phi_b``); all others are global. After each step the
+    param store holds the consensus ``lambda_0`` and the latest local rows.
+
+    :param model: the Pyro model.
+    :param guide: the Pyro guide (hand-written, or an autoguide such as
+        ``AutoNormal``/``AutoDelta`` built with ``create_plates``).
+    :param optim: a :class:`pyro.optim.PyroOptim`; it drives the primal solve
+        when ``inner_solver="optim"``.
+    :param loss: a Pyro ELBO with ``differentiable_loss`` (``Trace_ELBO``,
+        ``TraceMeanField_ELBO``, ``TraceEnum_ELBO``, ...) or a callable
+        ``loss(model, guide, *args, **kwargs)`` returning a differentiable scalar.
+    :param blocks: 1-D LongTensors that partition ``range(N)``: the fixed blocks.
+    :param eta: step size of the default group: a positive float, or
+        ``"auto"`` for ``eta_scale / L`` with ``L`` the measured curvature of
+        the block objective in that group's params [1, Thm. 4.7].
+    :param groups: preconditioner groups (P2D-VI): ``None`` for one group
+        (PD-VI), ``"per_site"`` for one group per global site, or a list of
+        dicts like torch.optim param groups keyed by site names; see
+        :mod:`~pyro_pdvi.infer.preconditioner`.
+    :param eta_scale: the constant in ``eta_j = eta_scale / L_j``.
+    :param global_update: ``"consensus"`` (mean of every block's latest copy,
+        the exact minimiser of the augmented Lagrangian) or ``"paper"`` (mean of
+        this step's copies); see :mod:`~pyro_pdvi.infer.consensus`.
+    :param inner_solver: ``"lbfgs"`` (default) or ``"optim"``.
+    :param inner_steps: iterations of the primal solve.
+    :param local_solver: optional callable :class:`BlockProblem` ->
+        :class:`BlockSolution` that replaces the generic primal solve, e.g. a
+        model's closed-form coordinate descent.
+    :param plate_name: name of the data plate, if several plates have size N.
+    :param curvature_blocks: how many blocks ``eta="auto"`` measures (the max is used).
+    :param curvature_iterations: power iterations per group and block.
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        guide: Callable,
+        optim: PyroOptim,
+        loss: ELBO | Callable[..., torch.Tensor],
+        *,
+        blocks: Sequence[torch.Tensor],
+        eta: float | str = "auto",
+        groups: list[dict] | str | None = None,
+        eta_scale: float = 1.0,
+        global_update: str = "consensus",
+        inner_solver: str = "lbfgs",
+        inner_steps: int = 20,
+        local_solver: LocalSolver | None = None,
+        plate_name: str | None = None,
+        curvature_blocks: int = 8,
+        curvature_iterations: int = 10,
+    ) -> None:
+        if not isinstance(optim, PyroOptim):
+            raise ValueError(
+                f"optim must be a pyro.optim.PyroOptim such as pyro.optim.Adam({{'lr': 0.01}}), "
+                f"got {type(optim).__name__}"
+            )
+        if isinstance(loss, ELBO) or hasattr(loss, "differentiable_loss"):
+            loss_fn = getattr(loss, "differentiable_loss", None)
+            if loss_fn is None:
+                raise ValueError(
+                    f"{type(loss).__name__} has no differentiable_loss, which PDVI needs for "
+                    "its primal solve; use Trace_ELBO, TraceMeanField_ELBO or TraceEnum_ELBO"
+                )
+        elif callable(loss):
+            loss_fn = loss
+        else:
+            raise ValueError(f"loss must be a Pyro ELBO or a callable, got {type(loss).__name__}")
+        if global_update not in GLOBAL_UPDATES:
+            raise ValueError(f"Invalid global_update: {global_update!r}; use one of {GLOBAL_UPDATES}")
+        if inner_solver not in INNER_SOLVERS:
+            raise ValueError(f"Invalid inner_solver: {inner_solver!r}; use one of {INNER_SOLVERS}")
+        if not (isinstance(eta_scale, (int, float)) and eta_scale > 0):
+            raise ValueError(f"Invalid eta_scale: {eta_scale!r}; use a positive float")
+        if local_solver is not None and not callable(local_solver):
+            raise ValueError("local_solver must be a callable BlockProblem -> BlockSolution")
+        check_eta(eta, "eta")
+
+        self.model = model
+        self.guide = guide
+        self.optim = optim
+        self.loss = loss
+        self.partition = BlockPartition(blocks)
+        self.eta = eta
+        self.groups = groups
+        self.eta_scale = float(eta_scale)
+        self.global_update = global_update
+        self.inner_solver = inner_solver
+        self.inner_steps = _check_positive_int(inner_steps, "inner_steps")
+        self.local_solver = local_solver
+        self.plate_name = plate_name
+        self.curvature_blocks = _check_positive_int(curvature_blocks, "curvature_blocks")
+        self.curvature_iterations = _check_positive_int(curvature_iterations, "curvature_iterations")
+        self.num_steps = 0
+        self.diagnostics: dict[str, Any] = {}
+        self._loss_fn = loss_fn
+        self._state: ConsensusState | None = None
+        self._pending_state: dict | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _trace(self, args: tuple, kwargs: dict) -> list:
+        """Guide and model traces of one call (creates params on first use)."""
+        with torch.no_grad(), poutine.block():
+            guide_trace = poutine.trace(self.guide).get_trace(*args, **kwargs)
+            model_trace = poutine.trace(poutine.replay(self.model, trace=guide_trace)).get_trace(
+                *args, **kwargs
+            )
+        return [guide_trace, model_trace]
+
+    def _setup(self, traces: list, args: tuple, kwargs: dict) -> None:
+        store = pyro.get_param_store()
+        unconstrained = dict(store.named_parameters())
+        site_constraints = store.get_state()["constraints"]
+        self.plate: DataPlate = find_data_plate(traces, self.partition.num_data, self.plate_name)
+        global_sites, self.local_sites = split_param_sites(
+            traces, self.plate, site_constraints, unconstrained
+        )
+        if not global_sites:
+            raise ValueError(
+                "the model and guide have no global params (params outside the data plate); "
+                "PD-VI has nothing to couple across blocks. Use pyro.infer.SVI."
+            )
+        self.layout = GlobalLayout(global_sites)
+        self.group_list: list[Group] = resolve_groups(self.groups, self.layout.names, self.eta)
+        self._group_of = coordinate_groups(self.group_list, self.layout)
+        first = unconstrained[global_sites[0].name]
+        self.device = first.device
+        consensus = self.layout.flatten({s.name: unconstrained[s.name].detach() for s in global_sites})
+        self._objective = BlockObjective(
+            self.model, self.guide, self._loss_fn, self.plate, self.layout, self.local_sites
+        )
+        self._state = ConsensusState(
+            consensus, len(self.partition), torch.ones_like(consensus), self.global_update
+        )
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
+            return
+        etas = [group.eta for group in self.group_list]
+        if "auto" in etas:
+            curvatures = self._estimate_curvatures(args, kwargs)
+            etas = [
+                self.eta_scale / float(curv.clamp_min(1e-12 * float(curvatures.max()) + 1e-300))
+                if eta == "auto"
+                else eta
+                for eta, curv in zip(etas, curvatures)
+            ]
+        self._set_group_step_sizes(torch.tensor(etas, dtype=consensus.dtype))
+
+    def _set_group_step_sizes(self, group_step_sizes: torch.Tensor) -> None:
+        self._group_step_sizes = group_step_sizes.detach().cpu().clone()
+        per_coordinate = self._group_step_sizes.to(self.device)[self._group_of.to(self.device)]
+        self._state.set_step_sizes(per_coordinate)
+
+    def _estimate_curvatures(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Max over a few blocks of each group's curvature ``L_j`` at ``lambda_0``."""
+        chosen = torch.randperm(len(self.partition))[: self.curvature_blocks].tolist()
+        curvatures = []
+        for b in chosen:
+            noise = FixedNoise(self._draw_seed(), self.device)
+            curvatures.append(
+                estimate_curvatures(
+                    functools.partial(self._block_gradient, b, args=args, kwargs=kwargs, noise=noise),
+                    self._state.consensus,
+                    self._group_of,
+                    len(self.group_list),
+                    self.curvature_iterations,
+                )
+            )
+        return torch.stack(curvatures).amax(0).cpu()
+
+    def _block_gradient(
+        self, b: int, point: torch.Tensor, args: tuple, kwargs: dict, noise: FixedNoise | None = None
+    ) -> torch.Tensor:
+        """``grad_lambda f_b(phi_b, lambda)`` at the flat global vector ``point``,
+        with the block's current local rows."""
+        indices = self.partition.blocks[b].to(self.device)
+        local_full = self._local_params()
+        rows = {s.name: local_full[s.name].detach().index_select(s.axis, indices) for s in self.local_sites}
+        point = point.detach().requires_grad_()
+        with noise() if noise is not None else contextlib.nullcontext():
+            f = self._objective(indices, self.layout.unflatten(point), rows, local_full, args, kwargs)
+        return torch.autograd.grad(f, point)[0]
+
+    # ------------------------------------------------------------- the step
+
+    @staticmethod
+    def _draw_seed() -> int:
+        return int(torch.randint(0, 2**62, ()))
+
+    def _local_params(self) -> dict[str, torch.Tensor]:
+        params = dict(pyro.get_param_store().named_parameters())
+        return {s.name: params[s.name] for s in self.local_sites}
+
+    def _step_indices(self, traces: list) -> torch.Tensor:
+        for trace in traces:
+            if self.plate.name in trace.nodes:
+                return trace.nodes[self.plate.name]["value"]
+        raise ValueError(
+            f"this step's model and guide never entered the data plate {self.plate.name!r}, so "
+            "PDVI cannot tell which block it is; pass the block's indices as its subsample"
+        )
+
+    def _block_problem(self, b: int, args: tuple, kwargs: dict) -> BlockProblem:
+        state = self._state
+        indices = self.partition.blocks[b].to(self.device)
+        local_full = self._local_params()
+        return BlockProblem(
+            block=b,
+            indices=indices,
+            consensus=self.layout.unflatten(state.consensus),
+            dual=self.layout.unflatten(state.duals[b]),
+            step_sizes=self.layout.unflatten(state.step_sizes),
+            local={
+                s.name: local_full[s.name].detach().index_select(s.axis, indices) for s in self.local_sites
+            },
+            num_blocks=len(self.partition),
+            num_data=self.partition.num_data,
+            args=args,
+            kwargs=kwargs,
+        )
+
+    def _solve_block(self, b: int, args: tuple, kwargs: dict) -> BlockSolution:
+        """Primal step for block ``b`` [1, Alg. 2-3]."""
+        problem = self._block_problem(b, args, kwargs)
+        noise = FixedNoise(self._draw_seed(), self.device)
+        local_full = self._local_params()
+
+        def block_loss(copies: dict[str, torch.Tensor], rows: dict[str, torch.Tensor]) -> torch.Tensor:
+            with noise():
+                return self._objective(problem.indices, copies, rows, local_full, args, kwargs)
+
+        if self.local_solver is not None:
+            solution = self.local_solver(problem)
+        else:
+            if self.inner_solver == "lbfgs":
+                # Whitened globals, lambda_b = lambda_0 + sqrt(eta) * z: the penalty becomes
+                # 1/2 ||z||^2 and the subproblem stays well conditioned whatever the eta_j are.
+                root = {k: v.sqrt() for k, v in problem.step_sizes.items()}
+                free = {k: torch.zeros_like(v, requires_grad=True) for k, v in problem.consensus.items()}
+
+                def current_copies() -> dict[str, torch.Tensor]:
+                    return {k: problem.consensus[k] + root[k] * z for k, z in free.items()}
+
+            else:
+                free = {k: v.detach().clone().requires_grad_() for k, v in problem.consensus.items()}
+
+                def current_copies() -> dict[str, torch.Tensor]:
+                    return free
+
+            rows = {k: v.detach().clone().requires_grad_() for k, v in problem.local.items()}
+
+            def augmented_lagrangian() -> torch.Tensor:
+                copies = current_copies()
+                return block_loss(copies, rows) + problem.penalty(copies)
+
+            minimize(augmented_lagrangian, {**free, **rows}, self.inner_solver, self.inner_steps, self.optim)
+            with torch.no_grad():
+                copies = {k: v.detach() for k, v in current_copies().items()}
+            solution = BlockSolution(copies, {k: v.detach() for k, v in rows.items()})
+        if solution.loss is None:
+            with torch.no_grad():
+                solution.loss = block_loss(solution.globals, solution.local)
+        return solution
+
+    def step(self, *args: Any, **kwargs: Any) -> float:
+        """Take one PD-VI step on the block(s) whose indices the data plate subsamples.
+
+        :returns: the loss of the step's subsample at the new block solutions,
+            scaled to the full data as ``SVI.step``'s is.
+        :rtype: float
+        :raises NonFiniteStepError: if the loss or the update is not finite; then
+            no param, dual or copy has changed.
+        """
+        traces = self._trace(args, kwargs)
+        if self._state is None:
+            self._setup(traces, args, kwargs)
+        block_ids = self.partition.blocks_in(self._step_indices(traces))
+        solutions = [self._solve_block(b, args, kwargs) for b in block_ids.tolist()]
+        copies = torch.stack([self.layout.flatten(s.globals) for s in solutions])
+        losses = torch.stack([s.loss.detach().reshape(()) for s in solutions])
+        update = self._state.propose(block_ids, copies)
+        self._refuse_non_finite(block_ids, solutions, losses, update)
+
+        old_consensus, old_duals = self._state.consensus, self._state.duals[update.block_ids]
+        self._state.apply(update)
+        self._write_param_store(block_ids, solutions)
+        self.num_steps += 1
+        self.diagnostics = {
+            "step": self.num_steps,
+            "blocks": block_ids,
+            "block_loss": losses,
+            "consensus_residual": (copies - old_consensus).norm(dim=1),
+            "dual_change": (update.duals - old_duals).norm(dim=1),
+            "step_sizes": self.step_sizes,
+        }
+        num_indices = int(self.partition.sizes[block_ids].sum())
+        return float(losses.sum() * (self.partition.num_data / num_indices))
+
+    def _refuse_non_finite(
+        self,
+        block_ids: torch.Tensor,
+        solutions: list[BlockSolution],
+        losses: torch.Tensor,
+        update: ConsensusUpdate,
+    ) -> None:
+        tensors = [losses, update.copies, update.duals, update.consensus]
+        tensors += [rows for s in solutions for rows in s.local.values()]
+        if bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()):
+            return
+        b, culprit = self._find_non_finite(block_ids, solutions, update)
+        raise NonFiniteStepError(
+            f"PDVI step {self.num_steps + 1}: block {b} produced a non-finite {culprit}; the step "
+            "was refused and no param, dual or copy changed. Check the model on this block, "
+            "or lower eta / eta_scale."
+        )
+
+    def _find_non_finite(
+        self, block_ids: torch.Tensor, solutions: list[BlockSolution], update: ConsensusUpdate
+    ) -> tuple[int, str]:
+        """The first block and quantity that is not finite (the slow path of a refused step)."""
+        for b, solution in zip(block_ids.tolist(), solutions):
+            if not torch.isfinite(solution.loss).all():
+                return b, "loss f_b"
+            for name, value in {**solution.globals, **solution.local}.items():
+                if not torch.isfinite(value).all():
+                    return b, f'value of site "{name}"'
+        for b, dual in zip(block_ids.tolist(), update.duals):
+            if not torch.isfinite(dual).all():
+                bad = int((~torch.isfinite(dual)).nonzero()[0])
+                return b, f'dual of site "{self.layout.site_of(bad)}"'
+        bad = int((~torch.isfinite(update.consensus)).nonzero()[0])
+        return int(block_ids[0]), f'consensus of site "{self.layout.site_of(bad)}"'
+
+    def _write_param_store(self, block_ids: torch.Tensor, solutions: list[BlockSolution]) -> None:
+        params = dict(pyro.get_param_store().named_parameters())
+        with torch.no_grad():
+            for name, value in self.layout.unflatten(self._state.consensus).items():
+                params[name].copy_(value)
+            for b, solution in zip(block_ids.tolist(), solutions):
+                indices = self.partition.blocks[b].to(self.device)
+                for site in self.local_sites:
+                    params[site.name].index_copy_(site.axis, indices, solution.local[site.name])
+
+    # ---------------------------------------------------------- inspection
+
+    @property
+    def step_sizes(self) -> dict[str, float]:
+        """The step size ``eta_j`` of each preconditioner group."""
+        if self._state is None:
+            return {}
+        return {g.name: float(eta) for g, eta in zip(self.group_list, self._group_step_sizes)}
+
+    @property
+    def state(self) -> ConsensusState | None:
+        """Duals, block copies and consensus (``None`` before the first step)."""
+        return self._state
+
+    def evaluate_loss(self, *args: Any, **kwargs: Any) -> float:
+        """Estimate of the loss at the current params (the consensus), as ``SVI.evaluate_loss``.
+
+        :rtype: float
+        """
+        with torch.no_grad():
+            return float(self._loss_fn(self.model, self.guide, *args, **kwargs))
+
+    def global_gradient_norm(self, *args: Any, **kwargs: Any) -> float:
+        """``||grad_lambda f(phi, lambda_0)||`` over all blocks: the paper's Fig. 4 metric.
+
+        Evaluates every block's ``f_b`` at the consensus and its current local
+        rows (one Monte Carlo draw each), and sums the gradients.
+
+        :rtype: float
+        """
+        if self._state is None:
+            raise RuntimeError("call step() at least once before global_gradient_norm()")
+        total = sum(
+            self._block_gradient(b, self._state.consensus, args, kwargs) for b in range(len(self.partition))
+        )
+        return float(total.norm())
+
+    # ------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything PDVI owns: duals, copies, consensus, step sizes, step count.
+
+        Params live in Pyro's param store; save it alongside
+        (``pyro.get_param_store().get_state()``).
+        """
+        if self._state is None:
+            return {"num_steps": self.num_steps}
+        return {
+            "num_steps": self.num_steps,
+            "num_data": self.partition.num_data,
+            "global_sites": self.layout.names,
+            "groups": [g.name for g in self.group_list],
+            "group_step_sizes": self._group_step_sizes.clone(),
+            "consensus_state": self._state.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`. Before the first step the state waits
+        until the first step has found the sites, then is checked and applied."""
+        self.num_steps = state["num_steps"]
+        if "consensus_state" not in state:
+            return
+        if self._state is None:
+            self._pending_state = state
+            return
+        if state["num_data"] != self.partition.num_data or state["global_sites"] != self.layout.names:
+            raise ValueError(
+                f"saved PDVI state is for global sites {state['global_sites']} over "
+                f"{state['num_data']} data, but this PDVI has {self.layout.names} over "
+                f"{self.partition.num_data}"
+            )
+        if state["groups"] != [g.name for g in self.group_list]:
+            raise ValueError(
+                f"saved PDVI state has groups {state['groups']}, this PDVI has "
+                f"{[g.name for g in self.group_list]}"
+            )
+        self._state.load_state_dict(state["consensus_state"])
+        self._group_step_sizes = state["group_step_sizes"].clone()

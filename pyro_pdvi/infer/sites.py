@@ -1,0 +1,190 @@
+"""Split a model/guide's params into global (lambda) and local (phi) sites.
+
+A param is *local* when it is created inside the data plate with ``event_dim``
+set: Pyro then slices its batch rows by the plate's subsample, so the rows of a
+block are that block's ``phi_b`` [1, Sec. 3.2]. Every other param is *global*:
+all blocks share it, and PD-VI keeps a per-block copy ``lambda_b`` and a dual
+``mu_b`` of it.
+
+Globals are handled as one flat vector (in Pyro's unconstrained space) laid out
+by :class:`GlobalLayout`, so duals and block copies are plain ``(n, P)`` tensors.
+
+[1] Lyu, Yu, Ma, Shi (2026), arXiv:2602.07632.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pyro.poutine.trace_struct import Trace
+from torch.distributions import constraints
+
+from .handlers import is_subsample_site
+
+
+@dataclass(frozen=True)
+class LocalSite:
+    """A param whose rows along ``axis`` belong to individual data.
+
+    :param name: param site name.
+    :param axis: negative axis of the unconstrained tensor indexed by the data
+        plate (``plate.dim - event_dim``).
+    :param constraint: the param's constraint.
+    """
+
+    name: str
+    axis: int
+    constraint: constraints.Constraint
+
+
+@dataclass(frozen=True)
+class GlobalSite:
+    """A param shared by all blocks.
+
+    :param name: param site name.
+    :param shape: shape of the unconstrained tensor.
+    :param constraint: the param's constraint.
+    """
+
+    name: str
+    shape: torch.Size
+    constraint: constraints.Constraint
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass(frozen=True)
+class DataPlate:
+    """The subsampled plate over the blocked data."""
+
+    name: str
+    size: int
+
+
+class GlobalLayout:
+    """Flat layout of the global params: name -> slice of one vector.
+
+    :param sites: the global sites, in a fixed order.
+    """
+
+    def __init__(self, sites: list[GlobalSite]) -> None:
+        self.sites = sites
+        self.slices: dict[str, slice] = {}
+        start = 0
+        for site in sites:
+            self.slices[site.name] = slice(start, start + site.numel)
+            start += site.numel
+        self.size = start
+
+    @property
+    def names(self) -> list[str]:
+        return [site.name for site in self.sites]
+
+    def flatten(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Concatenate per-site tensors into one vector."""
+        if not self.sites:
+            return torch.zeros(0)
+        return torch.cat([values[site.name].reshape(-1) for site in self.sites])
+
+    def unflatten(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of ``vector`` (or of its last dim) shaped like each site."""
+        batch = vector.shape[:-1]
+        return {
+            site.name: vector[..., self.slices[site.name]].reshape(batch + site.shape) for site in self.sites
+        }
+
+    def site_of(self, flat_index: int) -> str:
+        """Name of the site that holds coordinate ``flat_index``."""
+        for name, span in self.slices.items():
+            if span.start <= flat_index < span.stop:
+                return name
+        raise IndexError(flat_index)
+
+
+def find_data_plate(traces: list[Trace], num_data: int, plate_name: str | None) -> DataPlate:
+    """Find the subsampled plate over the ``num_data`` blocked data.
+
+    :param traces: guide and model traces of one step.
+    :param num_data: N, the number of indices the blocks cover.
+    :param plate_name: the plate's name if the user named it, else ``None``.
+    :raises ValueError: when no plate, or more than one, could be the data plate.
+    """
+    plates: dict[str, int] = {}
+    for trace in traces:
+        for name, site in trace.nodes.items():
+            if is_subsample_site(site):
+                plates[name] = site["fn"].size
+    if plate_name is not None:
+        if plate_name not in plates:
+            raise ValueError(
+                f"plate_name={plate_name!r} names no pyro.plate in the model or guide; "
+                f"plates found: {sorted(plates) or 'none'}"
+            )
+        candidates = [plate_name]
+    else:
+        candidates = [name for name, size in plates.items() if size == num_data]
+    if not candidates:
+        raise ValueError(
+            f"PDVI was given blocks over {num_data} data but the model and guide have no "
+            f"pyro.plate of size {num_data} (plates found: "
+            f"{ {n: s for n, s in plates.items()} or 'none' }). Wrap the per-datum sites of "
+            f'both model and guide in `with pyro.plate("data", {num_data}, subsample=idx) as '
+            "ind:` and index the data with `ind`."
+        )
+    if len(candidates) > 1:
+        raise ValueError(
+            f"several plates have size {num_data}: {sorted(candidates)}; pass plate_name= "
+            "to PDVI to say which one the blocks partition"
+        )
+    name = candidates[0]
+    if plates[name] != num_data:
+        raise ValueError(
+            f"plate {name!r} has size {plates[name]} but the blocks cover {num_data} "
+            "indices; the blocks must partition range(size) of the data plate"
+        )
+    return DataPlate(name, num_data)
+
+
+def split_param_sites(
+    traces: list[Trace],
+    plate: DataPlate,
+    site_constraints: dict[str, constraints.Constraint],
+    unconstrained: dict[str, torch.Tensor],
+) -> tuple[list[GlobalSite], list[LocalSite]]:
+    """Classify every param site seen in ``traces`` as global or local.
+
+    :param traces: guide and model traces.
+    :param plate: the data plate.
+    :param site_constraints: constraints from the param store.
+    :param unconstrained: unconstrained values from the param store.
+    :returns: global sites sorted by name, local sites sorted by name.
+    """
+    local: dict[str, LocalSite] = {}
+    seen: set[str] = set()
+    for trace in traces:
+        for name, site in trace.nodes.items():
+            if site["type"] != "param":
+                continue
+            seen.add(name)
+            event_dim = site["kwargs"].get("event_dim")
+            frames = [f for f in site["cond_indep_stack"] if f.name == plate.name]
+            if event_dim is None or not frames:
+                continue
+            axis = frames[0].dim - event_dim
+            shape = unconstrained[name].shape
+            if len(shape) < -axis or shape[axis] != plate.size:
+                raise ValueError(
+                    f'param site "{name}" is inside plate {plate.name!r} with event_dim='
+                    f"{event_dim}, so its axis {axis} should have size {plate.size}, but its "
+                    f"shape is {tuple(shape)}. Create it with one row per datum or drop "
+                    "event_dim to make it global."
+                )
+            local[name] = LocalSite(name, axis, site_constraints[name])
+    global_sites = [
+        GlobalSite(name, unconstrained[name].shape, site_constraints[name])
+        for name in sorted(seen - set(local))
+    ]
+    return global_sites, [local[name] for name in sorted(local)]
