@@ -54,26 +54,28 @@ class BlockPartition:
         self.sizes = torch.tensor([len(b) for b in tensors])
         self.num_data = int(self.sizes.sum())
 
-        block_of = torch.full((self.num_data,), -1, dtype=torch.long)
         for b, block in enumerate(tensors):
-            outside = block[(block < 0) | (block >= self.num_data)]
-            if outside.numel():
-                raise ValueError(
-                    f"blocks do not partition range({self.num_data}): block {b} holds "
-                    f"indices outside that range {_preview(outside)}"
-                )
+            if (block < 0).any():
+                raise ValueError(f"block {b} holds negative indices {_preview(block[block < 0])}")
             if block.unique().numel() != block.numel():
                 raise ValueError(f"block {b} holds a repeated index; each index must appear once")
+        largest = max(int(block.max()) for block in tensors)
+        block_of = torch.full((max(largest + 1, self.num_data),), -1, dtype=torch.long)
+        for b, block in enumerate(tensors):
             taken = block_of[block]
             if (taken >= 0).any():
                 first = int(taken[taken >= 0][0])
-                shared = block[taken >= 0]
                 raise ValueError(
-                    f"blocks do not partition range({self.num_data}): blocks {first} and {b} "
-                    f"share the indices {_preview(shared)}"
+                    f"blocks do not partition range(N): blocks {first} and {b} share the indices "
+                    f"{_preview(block[taken >= 0])}"
                 )
             block_of[block] = b
-        # With sizes summing to N and no overlap, no index can be missing.
+        missing = (block_of < 0).nonzero().reshape(-1)
+        if missing.numel():
+            raise ValueError(
+                f"blocks do not partition range({block_of.numel()}): no block holds the indices "
+                f"{_preview(missing)}"
+            )
         self.block_of = block_of
 
     def __len__(self) -> int:

@@ -134,6 +134,7 @@ def estimate_curvatures(
     group_of: torch.Tensor,
     num_groups: int,
     num_iterations: int = 10,
+    relative_step: float | None = None,
 ) -> torch.Tensor:
     """Largest |eigenvalue| of each group's diagonal block of the Hessian.
 
@@ -146,11 +147,16 @@ def estimate_curvatures(
     :param group_of: group index per coordinate, from :func:`coordinate_groups`.
     :param num_groups: J.
     :param num_iterations: power iterations per group.
+    :param relative_step: finite-difference step relative to ``1 + max|point|``;
+        default ``sqrt(eps)``. A gradient that is itself only solved to some
+        accuracy (a reduced objective) needs a larger step.
     :returns: ``L_j`` for each group, shape (J,).
     """
     generator = torch.Generator().manual_seed(0)
     group_of = group_of.to(point.device)
-    scale = float(torch.finfo(point.dtype).eps) ** 0.5 * (1.0 + float(point.abs().max()))
+    if relative_step is None:
+        relative_step = float(torch.finfo(point.dtype).eps) ** 0.5
+    scale = relative_step * (1.0 + float(point.abs().max()))
     curvatures = torch.zeros(num_groups, dtype=point.dtype, device=point.device)
     for j in range(num_groups):
         mask = (group_of == j).to(point.dtype)

@@ -1,0 +1,303 @@
+"""PDVI through Pyro's own machinery: drop-in use, exact optima, checkpoints, errors."""
+
+import copy
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO, TraceGraph_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoDelta, AutoNormal
+
+from pyro_pdvi import PDVI, NonFiniteStepError
+
+
+class Hierarchical:
+    """mu ~ N(0, s0^2); theta_i ~ N(mu, tau^2); x_i ~ N(theta_i, sigma^2); blocks sorted by x."""
+
+    def __init__(self, num_data=100, num_blocks=5, spread=2.0, s0=10.0, tau=1.0, sigma=0.5):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.sort(torch.randn(num_data, generator=g) * spread + 1.0).values
+        self.N, self.s0, self.tau, self.sigma = num_data, s0, tau, sigma
+        self.blocks = list(torch.arange(num_data).chunk(num_blocks))
+
+    def model(self, idx):
+        mu = pyro.sample("mu", dist.Normal(0.0, self.s0))
+        with pyro.plate("data", self.N, subsample=idx) as ind:
+            theta = pyro.sample("theta", dist.Normal(mu, self.tau))
+            pyro.sample("x", dist.Normal(theta, self.sigma), obs=self.x[ind])
+
+    def guide(self, idx):
+        loc = pyro.param("mu_loc", torch.tensor(0.0))
+        scale = pyro.param("mu_scale", torch.tensor(1.0), constraint=dist.constraints.positive)
+        mu = pyro.sample("mu", dist.Normal(loc, scale))
+        with pyro.plate("data", self.N, subsample=idx):
+            theta_loc = pyro.param("theta_loc", torch.zeros(self.N), event_dim=0)
+            theta_scale = pyro.param(
+                "theta_scale", torch.ones(self.N), constraint=dist.constraints.positive, event_dim=0
+            )
+            pyro.sample("theta", dist.Normal(theta_loc, theta_scale))
+        return mu
+
+    def auto_guide(self):
+        return AutoNormal(self.model, create_plates=lambda idx: pyro.plate("data", self.N, subsample=idx))
+
+    def posterior_mean_mu(self):
+        """Exact (and mean-field optimal: the target is Gaussian) mean of q(mu)."""
+        var = self.tau**2 + self.sigma**2
+        return float((self.x.sum() / var) / (1 / self.s0**2 + self.N / var))
+
+
+@pytest.mark.parametrize("use_autoguide", [False, True], ids=["hand_written", "AutoNormal"])
+@pytest.mark.parametrize("inference", [SVI, PDVI])
+def test_same_training_loop_runs_with_svi_and_pdvi(inference, use_autoguide):
+    problem = Hierarchical(num_data=20, num_blocks=4)
+    guide = problem.auto_guide() if use_autoguide else problem.guide
+    kwargs = {"blocks": problem.blocks, "inner_steps": 5} if inference is PDVI else {}
+    loss = TraceMeanField_ELBO(num_particles=8, vectorize_particles=True)
+    algo = inference(problem.model, guide, pyro.optim.Adam({"lr": 0.05}), loss, **kwargs)
+    assert algo.model == problem.model and algo.guide == guide
+    losses = []
+    for _ in range(2):
+        for b in torch.randperm(len(problem.blocks)).tolist():
+            loss = algo.step(problem.blocks[b])
+            assert isinstance(loss, float)
+            losses.append(loss)
+    assert isinstance(algo.evaluate_loss(problem.blocks[0]), float)
+    names = set(pyro.get_param_store().keys())
+    assert ("AutoNormal.locs.mu" in names) if use_autoguide else ("mu_loc" in names)
+    if inference is PDVI:
+        loc = "AutoNormal.locs.mu" if use_autoguide else "mu_loc"
+        local = "AutoNormal.locs.theta" if use_autoguide else "theta_loc"
+        assert loc in algo.layout.names and local in [s.name for s in algo.local_sites]
+        mu_offset = algo.layout.slices[loc].start
+        assert float(pyro.param(loc)) == pytest.approx(float(algo.state.consensus[mu_offset]), abs=0)
+
+
+def test_map_linear_gaussian_autodelta_reaches_exact_optimum():
+    """MAP of y_i = x_i'w + u_i + noise with a local u_i per datum, against one linear solve."""
+    N, d, sigma = 30, 3, 0.5
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(N, d, generator=g)
+    # Non-i.i.d. blocks: the response drifts along the data order.
+    y = (
+        X @ torch.tensor([1.0, -2.0, 0.5])
+        + 0.3 * torch.randn(N, generator=g)
+        + 2.0 * torch.linspace(-1, 1, N)
+    )
+
+    def model(idx):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([d]).to_event(1))
+        with pyro.plate("data", N, subsample=idx) as ind:
+            u = pyro.sample("u", dist.Normal(0.0, 1.0))
+            pyro.sample("y", dist.Normal(X[ind] @ w + u, sigma), obs=y[ind])
+
+    guide = AutoDelta(model, create_plates=lambda idx: pyro.plate("data", N, subsample=idx))
+    blocks = list(torch.arange(N).chunk(3))
+    pdvi = PDVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), blocks=blocks, inner_steps=30)
+
+    # Normal equations of -log p(w, u, y) in (w, u).
+    A = torch.cat([X, torch.eye(N)], 1)
+    H = A.T @ A / sigma**2 + torch.eye(d + N)
+    exact = torch.linalg.solve(H, A.T @ y / sigma**2)
+    for _ in range(120):
+        for b in torch.randperm(len(blocks)).tolist():
+            pdvi.step(blocks[b])
+        w = pyro.param("AutoDelta.w").detach()
+        if (w - exact[:d]).norm() / exact[:d].norm() < 1e-9:
+            break
+    assert (w - exact[:d]).norm() / exact[:d].norm() <= 1e-8
+    u = pyro.param("AutoDelta.u").detach()
+    assert (u - exact[d:]).norm() / exact[d:].norm() <= 1e-8
+
+
+def test_hierarchical_mean_matches_mean_field_optimum_where_svi_is_off():
+    """Sorted blocks, AutoNormal, TraceMeanField_ELBO with 256 vectorized particles."""
+    problem = Hierarchical()
+    exact = problem.posterior_mean_mu()
+    loss = TraceMeanField_ELBO(num_particles=256, vectorize_particles=True)
+    num_epochs = 12
+
+    pdvi = PDVI(
+        problem.model,
+        problem.auto_guide(),
+        pyro.optim.Adam({"lr": 0.05}),
+        loss,
+        blocks=problem.blocks,
+        inner_steps=10,
+    )
+    for _ in range(num_epochs):
+        for b in range(len(problem.blocks)):
+            pdvi.step(problem.blocks[b])
+    assert abs(float(pyro.param("AutoNormal.locs.mu")) - exact) < 1e-2
+
+    pyro.clear_param_store()
+    svi = SVI(problem.model, problem.auto_guide(), pyro.optim.Adam({"lr": 0.05}), loss)
+    for _ in range(num_epochs):
+        for b in range(len(problem.blocks)):
+            svi.step(problem.blocks[b])
+    assert abs(float(pyro.param("AutoNormal.locs.mu")) - exact) > 0.1
+
+
+def _run(pdvi, blocks, schedule):
+    trajectory = []
+    for b in schedule:
+        pdvi.step(blocks[b])
+        trajectory.append(pdvi.state.consensus.clone())
+    return torch.stack(trajectory)
+
+
+def test_checkpoint_round_trip_continues_the_same_trajectory():
+    problem = Hierarchical(num_data=24, num_blocks=4)
+    loss = TraceMeanField_ELBO(num_particles=4, vectorize_particles=True)
+    schedule = [0, 2, 1, 3, 3, 0, 1, 2, 0, 3]
+
+    def fresh():
+        guide = problem.auto_guide()
+        pdvi = PDVI(
+            problem.model,
+            guide,
+            pyro.optim.Adam({"lr": 0.05}),
+            loss,
+            blocks=problem.blocks,
+            groups="per_site",
+            inner_steps=8,
+        )
+        return guide, pdvi
+
+    _, pdvi = fresh()
+    _run(pdvi, problem.blocks, schedule[:4])
+    saved_pdvi = copy.deepcopy(pdvi.state_dict())
+    saved_store = copy.deepcopy(pyro.get_param_store().get_state())
+    saved_rng = torch.get_rng_state()
+    uninterrupted = _run(pdvi, problem.blocks, schedule[4:])
+    uninterrupted_store = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(123)  # a different RNG history until the state is restored
+    guide, resumed_pdvi = fresh()
+    pyro.get_param_store().set_state(saved_store)
+    guide(problem.blocks[0])  # autoguides build themselves on their first call
+    resumed_pdvi.load_state_dict(saved_pdvi)
+    torch.set_rng_state(saved_rng)
+    resumed = _run(resumed_pdvi, problem.blocks, schedule[4:])
+
+    assert resumed_pdvi.num_steps == pdvi.num_steps == len(schedule)
+    assert resumed_pdvi.step_sizes == pdvi.step_sizes
+    assert torch.allclose(resumed, uninterrupted, rtol=0, atol=1e-10)
+    for name, value in pyro.get_param_store().items():
+        assert torch.allclose(value.detach(), uninterrupted_store[name], rtol=0, atol=1e-10), name
+
+
+def test_non_finite_step_is_refused_and_changes_nothing():
+    problem = Hierarchical(num_data=20, num_blocks=4)
+    poisoned = problem.blocks[2][3]
+    elbo = TraceMeanField_ELBO(num_particles=8, vectorize_particles=True)
+
+    def loss(model, guide, idx):
+        value = elbo.differentiable_loss(model, guide, idx)
+        # Stands in for any numerical failure of a model on one block.
+        return value * (float("nan") if poisoned in idx else 1.0)
+
+    pdvi = PDVI(problem.model, problem.guide, pyro.optim.Adam({"lr": 0.05}), loss, blocks=problem.blocks)
+    pdvi.step(problem.blocks[0])
+    before_state = copy.deepcopy(pdvi.state_dict())
+    before_store = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    with pytest.raises(NonFiniteStepError, match="block 2 produced a non-finite"):
+        pdvi.step(problem.blocks[2])
+    after_state = pdvi.state_dict()
+    assert after_state["num_steps"] == before_state["num_steps"]
+    for key, value in before_state["consensus_state"].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(after_state["consensus_state"][key], value), key
+    for name, value in pyro.get_param_store().items():
+        assert torch.equal(value.detach(), before_store[name]), name
+    pdvi.step(problem.blocks[1])  # other blocks still step
+    assert pdvi.num_steps == 2
+
+
+def _pdvi(problem, **kwargs):
+    kwargs.setdefault("blocks", problem.blocks)
+    optim = kwargs.pop("optim", pyro.optim.Adam({"lr": 0.05}))
+    loss = kwargs.pop("loss", TraceMeanField_ELBO(num_particles=8, vectorize_particles=True))
+    return PDVI(problem.model, problem.guide, optim, loss, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"optim": torch.optim.Adam}, "pyro.optim.PyroOptim"),
+        ({"loss": TraceGraph_ELBO()}, "TraceGraph_ELBO has no differentiable_loss"),
+        ({"blocks": [torch.arange(5), torch.arange(4, 20)]}, "blocks 0 and 1 share the indices"),
+        ({"blocks": [torch.arange(5), torch.arange(6, 20)]}, "no block holds the indices"),
+        ({"eta": -1.0}, "Invalid step size eta"),
+        ({"eta": "fast"}, "Invalid step size eta"),
+        ({"inner_steps": 0}, "Invalid inner_steps"),
+        ({"global_update": "mean"}, "Invalid global_update"),
+    ],
+)
+def test_constructor_errors(kwargs, match):
+    problem = Hierarchical(num_data=20, num_blocks=4)
+    with pytest.raises(ValueError, match=match):
+        _pdvi(problem, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "groups, match",
+    [
+        ([{"sites": ["mu_loc"]}, {"sites": r"mu_.*"}], 'site "mu_loc" is in two preconditioner groups'),
+        ([{"sites": ["nope"]}], "names sites that are not global params"),
+        ([{"sites": r"zzz.*"}], "matches no global site"),
+        ([{"sites": ["mu_loc"], "lr": 1}], "unknown keys"),
+    ],
+)
+def test_group_errors_name_the_site(groups, match):
+    problem = Hierarchical(num_data=20, num_blocks=4)
+    pdvi = _pdvi(problem, groups=groups)
+    with pytest.raises(ValueError, match=match):
+        pdvi.step(problem.blocks[0])
+
+
+def test_foreign_indices_are_named():
+    problem = Hierarchical(num_data=20, num_blocks=4)
+    pdvi = _pdvi(problem, inner_steps=3)
+    with pytest.raises(ValueError, match="not a union of whole blocks: it holds 3 indices of block 1"):
+        pdvi.step(torch.cat([problem.blocks[0], problem.blocks[1][:3]]))
+    assert pdvi.num_steps == 0
+
+
+def test_missing_data_plate_says_what_to_add():
+    N = 10
+
+    def model(idx):
+        pyro.sample("x", dist.Normal(pyro.param("loc", torch.tensor(0.0)), 1.0), obs=torch.tensor(1.0))
+
+    def guide(idx):
+        pass
+
+    pdvi = PDVI(
+        model, guide, pyro.optim.Adam({"lr": 0.1}), Trace_ELBO(), blocks=list(torch.arange(N).chunk(2))
+    )
+    with pytest.raises(
+        ValueError, match=r'no pyro.plate of size 10.*pyro.plate\("data", 10, subsample=idx\)'
+    ):
+        pdvi.step(torch.arange(5))
+
+
+def test_per_datum_blocks_small_global_dimension():
+    """Each datum its own block (the paper's per-sample variant)."""
+    problem = Hierarchical(num_data=12, num_blocks=12, spread=1.0)
+    loss = TraceMeanField_ELBO(num_particles=64, vectorize_particles=True)
+    pdvi = _pdvi(problem, loss=loss, inner_steps=10)
+    for _ in range(15):
+        for b in torch.randperm(len(problem.blocks)).tolist():
+            pdvi.step(problem.blocks[b])
+    assert pdvi.state.duals.shape == (12, 2)
+    assert abs(float(pyro.param("mu_loc")) - problem.posterior_mean_mu()) < 5e-2
+
+
+def test_one_particle_monte_carlo_solve_warns():
+    problem = Hierarchical(num_data=20, num_blocks=4)
+    pdvi = _pdvi(problem, loss=Trace_ELBO(), inner_steps=2, curvature_blocks=1, curvature_iterations=1)
+    with pytest.warns(UserWarning, match=r"one particle for the sampled guide sites \['mu', 'theta'\]"):
+        pdvi.step(problem.blocks[0])
