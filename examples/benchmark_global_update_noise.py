@@ -1,0 +1,125 @@
+"""How much Monte Carlo noise reaches the consensus, by global-update rule and particles.
+
+Model: mu ~ N(0, 10^2), theta_i ~ N(mu, 1), x_i ~ N(theta_i, 0.5^2), data sorted
+into fixed blocks, AutoNormal guide, TraceMeanField_ELBO. The target is Gaussian,
+so the mean-field optimum's mean of q(mu) is the exact posterior mean, known in
+closed form. Each PDVI run takes one block per step; after each of the last
+epochs it records the error of q(mu)'s mean. Printed: the RMS error over those
+epochs and seeds, for the paper's rule (lambda_0 = gamma + h, gamma the step's
+block copy) and the default consensus rule (gamma the mean of every block's
+latest copy), and for Pyro's SVI+Adam on the same blocks.
+
+Example::
+
+    python examples/benchmark_global_update_noise.py --particles 8,64,256 --seeds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer import SVI, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_pdvi import PDVI
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-data", type=int, default=100, help="N")
+    parser.add_argument("--num-blocks", type=int, default=10, help="fixed blocks, sorted by x")
+    parser.add_argument("--particles", default="8,64,256", help="vectorized ELBO particles to compare")
+    parser.add_argument("--epochs", type=int, default=15, help="passes over the data")
+    parser.add_argument(
+        "--last", type=int, default=5, help="epochs at the end over which the error is measured"
+    )
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--svi-lr", type=float, default=0.05, help="Adam learning rate of the SVI reference")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    return parser.parse_args(argv)
+
+
+class SortedHierarchy:
+    def __init__(self, num_data: int, num_blocks: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.sort(torch.randn(num_data, generator=g) * 2 + 1).values
+        self.N = num_data
+        self.blocks = list(torch.arange(num_data).chunk(num_blocks))
+        var = 1.0 + 0.25
+        self.exact_mean = float((self.x.sum() / var) / (1 / 100 + num_data / var))
+
+    def model(self, idx):
+        mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+        with pyro.plate("data", self.N, subsample=idx) as ind:
+            theta = pyro.sample("theta", dist.Normal(mu, 1.0))
+            pyro.sample("x", dist.Normal(theta, 0.5), obs=self.x[ind])
+
+    def guide(self):
+        return AutoNormal(self.model, create_plates=lambda idx: pyro.plate("data", self.N, subsample=idx))
+
+
+def errors(problem, make_algo, args, seed):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    algo = make_algo()
+    out = []
+    for epoch in range(args.epochs):
+        for b in torch.randperm(len(problem.blocks)).tolist():
+            algo.step(problem.blocks[b])
+        if epoch >= args.epochs - args.last:
+            out.append(float(pyro.param("AutoNormal.locs.mu").detach()) - problem.exact_mean)
+    return out
+
+
+def main(args: argparse.Namespace) -> list[dict]:
+    torch.set_num_threads(args.threads)
+    torch.set_default_dtype(torch.float64)
+    problem = SortedHierarchy(args.num_data, args.num_blocks)
+    rows = []
+    print(
+        f"N={args.num_data}, {args.num_blocks} sorted blocks, {args.epochs} epochs, error over the last "
+        f"{args.last}, {args.seeds} seeds, threads={torch.get_num_threads()}"
+    )
+    print("\n| particles | method | RMS error of E_q[mu] | seconds/epoch |\n|---|---|---|---|")
+    for particles in [int(p) for p in args.particles.split(",")]:
+
+        def loss(particles=particles):
+            return TraceMeanField_ELBO(num_particles=particles, vectorize_particles=True)
+
+        methods = {
+            f"PDVI {rule}": lambda rule=rule: PDVI(
+                problem.model,
+                problem.guide(),
+                pyro.optim.Adam({"lr": 0.01}),
+                loss(),
+                blocks=problem.blocks,
+                global_update=rule,
+                inner_steps=10,
+            )
+            for rule in ("paper", "consensus")
+        }
+        methods[f"SVI+Adam lr={args.svi_lr:g}"] = lambda: SVI(
+            problem.model, problem.guide(), pyro.optim.Adam({"lr": args.svi_lr}), loss()
+        )
+        for name, make_algo in methods.items():
+            start = time.perf_counter()
+            errs = torch.tensor(
+                [e for seed in range(args.seeds) for e in errors(problem, make_algo, args, seed)]
+            )
+            seconds = (time.perf_counter() - start) / (args.seeds * args.epochs)
+            rms = float(errs.square().mean().sqrt())
+            rows.append(
+                {"particles": particles, "method": name, "rms_error": rms, "seconds_per_epoch": seconds}
+            )
+            print(f"| {particles} | {name} | {rms:.4f} | {seconds:.2f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,71 @@
+"""Every example runs end to end at a tiny size."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gmm_generic_benchmark_tiny(tmp_path):
+    module = load("benchmark_gmm_generic")
+    args = module.parse_args(
+        [
+            "--num-data",
+            "120",
+            "--num-components",
+            "3",
+            "--dim",
+            "2",
+            "--block-size",
+            "40",
+            "--epochs",
+            "2",
+            "--svi-epochs",
+            "2",
+            "--lrs",
+            "0.05",
+            "--particles",
+            "4",
+            "--inner-steps",
+            "3",
+            "--quiet",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    rows = module.main(args)
+    assert {row["method"] for row in rows} == {"PD-VI", "P2D-VI", "SVI+Adam"}
+    assert (tmp_path / "gmm_generic.csv").exists()
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "gmm_generic.png").exists()
+
+
+def test_global_update_noise_benchmark_tiny():
+    module = load("benchmark_global_update_noise")
+    args = module.parse_args(
+        [
+            "--num-data",
+            "12",
+            "--num-blocks",
+            "3",
+            "--particles",
+            "4",
+            "--epochs",
+            "2",
+            "--last",
+            "1",
+            "--seeds",
+            "1",
+        ]
+    )
+    rows = module.main(args)
+    assert [row["method"] for row in rows] == ["PDVI paper", "PDVI consensus", "SVI+Adam lr=0.05"]
