@@ -5,11 +5,10 @@ BIN := $(VENV)/bin
 # torch 2.13.0 (CPU build) is on this kind of machine's local disk; other versions download GBs.
 TORCH ?= torch==2.13.0
 
-.PHONY: install test test-slow lint demo bench clean
+.PHONY: install test lint demo clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed: $(BIN)/activate setup.cfg pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
@@ -20,9 +19,6 @@ install: $(VENV)/.installed
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
-
-test-slow: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow
 
 lint: install
 	$(BIN)/ruff check pyro_pdvi tests examples

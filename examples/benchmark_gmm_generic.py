@@ -131,7 +131,9 @@ def main(args: argparse.Namespace) -> list[dict]:
     )
     data, prior, blocks = synthetic.data, synthetic.prior, synthetic.blocks
     gmm = GMMModel(data, prior, seed=args.seed)
-    reference = cavi(data, prior, m=gmm.init_means.clone(), rho=gmm.init_log_variances.clone())
+    reference = cavi(
+        data, prior, m=gmm.init_means.clone(), rho=gmm.init_log_variances.clone(), num_iterations=5000
+    )
     scorer = Scorer(data, prior, synthetic.centers, (reference.m, reference.rho))
     print(
         f"N={args.num_data} K={args.num_components} d={args.dim} blocks={len(blocks)}x{args.block_size} "

@@ -125,3 +125,19 @@ def test_several_blocks_per_step_follow_the_algorithm(global_update):
         lam0 = gamma + h
         assert torch.allclose(consensus(problem), lam0, rtol=0, atol=1e-9)
         assert torch.allclose(pyro.param("phi").detach(), phi, rtol=0, atol=1e-9)
+
+
+def test_diagnostics_and_full_gradient_norm_vanish_at_the_optimum():
+    problem = Quadratic(num_data=12, num_blocks=4, scale_b=1.0)
+    _, lam_opt = problem.optimum()
+    pdvi = make_pdvi(problem)
+    pdvi.step(problem.blocks[1])
+    diagnostics = pdvi.diagnostics
+    assert diagnostics["step"] == 1 and diagnostics["blocks"].tolist() == [1]
+    assert set(diagnostics) >= {"block_loss", "consensus_residual", "dual_change", "step_sizes"}
+    start_norm = pdvi.global_gradient_norm(problem.blocks[0])
+    assert start_norm > 1.0
+    run_epochs(problem, pdvi, 60, lam_opt, stop_below=1e-10)
+    # At the optimum the full-data gradient in lambda is zero and blocks agree with the consensus.
+    assert pdvi.global_gradient_norm(problem.blocks[0]) < 1e-7 * start_norm
+    assert float(pdvi.diagnostics["consensus_residual"].max()) < 1e-8
