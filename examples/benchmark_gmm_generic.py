@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--svi-epochs", type=int, default=30, help="passes over the data for SVI")
     parser.add_argument("--lrs", default="0.01,0.03,0.1", help="Adam learning rates to try for SVI")
     parser.add_argument("--particles", type=int, default=16, help="vectorized ELBO particles (both methods)")
+    parser.add_argument("--eta-scales", default="2", help="PDVI eta_scale values to run (comma list)")
     parser.add_argument("--inner-steps", type=int, default=10, help="L-BFGS iterations per PDVI primal solve")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -149,29 +150,31 @@ def main(args: argparse.Namespace) -> list[dict]:
 
     histories = []
     variants = [("PD-VI", None, "consensus"), ("PD-VI", None, "paper"), ("P2D-VI", "per_site", "consensus")]
-    for name, groups, rule in variants:
-        histories.append(
-            run(
-                name,
-                f"{rule}, auto, lbfgs x{args.inner_steps}",
-                lambda groups=groups, rule=rule: PDVI(
-                    gmm.model,
-                    gmm.guide,
-                    adam(),
-                    loss(),
-                    blocks=blocks,
-                    groups=groups,
-                    global_update=rule,
-                    inner_steps=args.inner_steps,
-                ),
-                gmm,
-                blocks,
-                args.epochs,
-                scorer,
-                args.seed,
-                args.quiet,
+    for eta_scale in [float(v) for v in args.eta_scales.split(",")]:
+        for name, groups, rule in variants:
+            histories.append(
+                run(
+                    name,
+                    f"{rule}, auto x{eta_scale:g}, lbfgs x{args.inner_steps}",
+                    lambda groups=groups, rule=rule, eta_scale=eta_scale: PDVI(
+                        gmm.model,
+                        gmm.guide,
+                        adam(),
+                        loss(),
+                        blocks=blocks,
+                        groups=groups,
+                        global_update=rule,
+                        eta_scale=eta_scale,
+                        inner_steps=args.inner_steps,
+                    ),
+                    gmm,
+                    blocks,
+                    args.epochs,
+                    scorer,
+                    args.seed,
+                    args.quiet,
+                )
             )
-        )
     for lr in [float(v) for v in args.lrs.split(",")]:
         histories.append(
             run(

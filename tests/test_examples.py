@@ -69,3 +69,11 @@ def test_global_update_noise_benchmark_tiny():
     )
     rows = module.main(args)
     assert [row["method"] for row in rows] == ["PDVI paper", "PDVI consensus", "SVI+Adam lr=0.05"]
+
+
+def test_quadratic_benchmark_tiny():
+    module = load("benchmark_quadratic")
+    rows = module.main(module.parse_args(["--eta-scales", "2", "--epochs", "40", "--tolerance", "1e-3"]))
+    reached = {(row["scale_b"], row["groups"]): row["epochs"] for row in rows}
+    assert reached[(1.0, None)] is not None and reached[(10.0, "per_site")] is not None
+    assert reached[(10.0, None)] is None  # one step size for 100x-apart curvatures

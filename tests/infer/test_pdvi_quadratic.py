@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from pyro_pdvi import PDVI
-
-from .quadratic import Quadratic
+from pyro_pdvi.models.quadratic import Quadratic
 
 FIXED_ETAS = [{"sites": ["a"], "eta": 0.1}, {"sites": ["b"], "eta": 0.002}]
 
