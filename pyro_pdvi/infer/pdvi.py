@@ -216,13 +216,15 @@ class PDVI:
             return
         etas = [group.eta for group in self.group_list]
         if "auto" in etas:
-            curvatures = self._estimate_curvatures(args, kwargs)
-            etas = [
-                self.eta_scale / float(curv.clamp_min(1e-12 * float(curvatures.max()) + 1e-300))
-                if eta == "auto"
-                else eta
-                for eta, curv in zip(etas, curvatures)
-            ]
+            curvatures = self._estimate_curvatures(args, kwargs).tolist()
+            for group, eta, curvature in zip(self.group_list, etas, curvatures):
+                if eta == "auto" and not 0 < curvature < float("inf"):
+                    raise ValueError(
+                        f"eta='auto' measured a curvature of {curvature} for group {group.name!r} "
+                        f"(sites {group.sites}): the block objective does not change with them. Give "
+                        "that group a fixed eta, or check that the sites are used by the model."
+                    )
+            etas = [self.eta_scale / c if eta == "auto" else eta for eta, c in zip(etas, curvatures)]
         self._set_group_step_sizes(torch.tensor(etas, dtype=consensus.dtype))
 
     def _warn_single_particle(self, guide_trace) -> None:
@@ -349,16 +351,13 @@ class PDVI:
     def _block_problem(self, b: int, args: tuple, kwargs: dict) -> BlockProblem:
         state = self._state
         indices = self.partition.blocks[b].to(self.device)
-        local_full = self._local_params()
         return BlockProblem(
             block=b,
             indices=indices,
             consensus=self.layout.unflatten(state.consensus),
             dual=self.layout.unflatten(state.duals[b]),
             step_sizes=self.layout.unflatten(state.step_sizes),
-            local={
-                s.name: local_full[s.name].detach().index_select(s.axis, indices) for s in self.local_sites
-            },
+            local=self._block_rows(indices),
             num_blocks=len(self.partition),
             num_data=self.partition.num_data,
             args=args,

@@ -301,3 +301,25 @@ def test_one_particle_monte_carlo_solve_warns():
     pdvi = _pdvi(problem, loss=Trace_ELBO(), inner_steps=2, curvature_blocks=1, curvature_iterations=1)
     with pytest.warns(UserWarning, match=r"one particle for the sampled guide sites \['mu', 'theta'\]"):
         pdvi.step(problem.blocks[0])
+
+
+def test_auto_eta_refuses_a_group_the_objective_ignores():
+    problem = Hierarchical(num_data=20, num_blocks=4)
+
+    def guide(idx):
+        pyro.param("unused", torch.zeros(2))
+        return problem.guide(idx)
+
+    pdvi = PDVI(
+        problem.model,
+        guide,
+        pyro.optim.Adam({"lr": 0.05}),
+        TraceMeanField_ELBO(num_particles=4, vectorize_particles=True),
+        blocks=problem.blocks,
+        groups="per_site",
+        inner_steps=2,
+        curvature_blocks=1,
+        curvature_iterations=2,
+    )
+    with pytest.raises(ValueError, match=r"curvature of 0.0 for group 'unused'"):
+        pdvi.step(problem.blocks[0])
