@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--last", type=int, default=5, help="epochs at the end over which the error is measured"
     )
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--eta-scale", type=float, default=2.0, help="PDVI eta_scale")
     parser.add_argument("--svi-lr", type=float, default=0.05, help="Adam learning rate of the SVI reference")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     return parser.parse_args(argv)
@@ -100,6 +101,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                 loss(),
                 blocks=problem.blocks,
                 global_update=rule,
+                eta_scale=args.eta_scale,
                 inner_steps=10,
             )
             for rule in ("paper", "consensus")

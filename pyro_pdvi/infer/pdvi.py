@@ -91,9 +91,10 @@ class PDVI:
         (PD-VI), ``"per_site"`` for one group per global site, or a list of
         dicts like torch.optim param groups keyed by site names; see
         :mod:`~pyro_pdvi.infer.preconditioner`.
-    :param eta_scale: the constant in ``eta_j = eta_scale / L_j``; the default 2 was the
-        best of 1, 2, 4 over the quadratic, AutoDelta-MAP and GMM measurements in
-        ``docs/benchmarks.md``.
+    :param eta_scale: the constant in ``eta_j = eta_scale / L_j``. The default 2 is a
+        compromise measured in ``docs/benchmarks.md``: of 1, 2 and 4 it was best on the
+        AutoDelta MAP test and for PD-VI on the quadratic, 1 was best for P2D-VI on the
+        quadratic and 4 for the consensus rule on the GMM.
     :param global_update: ``"consensus"`` (mean of every block's latest copy,
         the exact minimiser of the augmented Lagrangian) or ``"paper"`` (mean of
         this step's copies); see :mod:`~pyro_pdvi.infer.consensus`.

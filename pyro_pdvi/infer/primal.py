@@ -42,7 +42,7 @@ class BlockProblem:
     :param step_sizes: ``eta`` for each coordinate, shaped like each global
         site (``D = diag(1/eta)``).
     :param local: warm start ``phi_b``: the block's rows of each local site,
-        the plate axis moved to the front.
+        taken with ``index_select`` along the site's plate axis (the axis stays where it is).
     :param num_blocks: n.
     :param num_data: N.
     :param args: the positional arguments of the step.
@@ -76,7 +76,7 @@ class BlockSolution:
     """What a local solver returns.
 
     :param globals: the block copy ``lambda_b`` for each global site.
-    :param local: the new ``phi_b`` rows for each local site (plate axis first).
+    :param local: the new ``phi_b`` rows for each local site, shaped like ``problem.local``.
     :param loss: ``f_b`` at the solution (a scalar tensor), if the solver knows it.
     """
 
