@@ -10,7 +10,8 @@ epoch. After each epoch the script measures, from the global params alone
 * the gap of the exact negative ELBO to the full-batch CAVI optimum, relative;
 * W2 between the true and fitted mixtures, as a ratio to CAVI's W2 (paper Fig. 3).
 
-It prints a table (epochs to reach the optimum, final values, seconds per epoch),
+It prints a table (epochs to reach the optimum, final values, seconds for the first
+epoch and per epoch after it),
 and writes ``gmm_generic.csv`` and ``gmm_generic.png`` under ``--out``.
 
 Example::
@@ -31,6 +32,7 @@ from pyro.infer import SVI, TraceEnum_ELBO
 
 from pyro_pdvi import PDVI
 from pyro_pdvi.models import (
+    GMMBlockSolver,
     GMMModel,
     cavi,
     make_biased_gmm,
@@ -55,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--svi-epochs", type=int, default=30, help="passes over the data for SVI")
     parser.add_argument("--lrs", default="0.01,0.03,0.1", help="Adam learning rates to try for SVI")
     parser.add_argument("--particles", type=int, default=16, help="vectorized ELBO particles (both methods)")
+    parser.add_argument(
+        "--closed-form",
+        action="store_true",
+        help="PDVI solves each block with GMMBlockSolver (closed-form coordinate descent) instead of L-BFGS",
+    )
     parser.add_argument("--eta-scales", default="2", help="PDVI eta_scale values to run (comma list)")
     parser.add_argument("--inner-steps", type=int, default=10, help="L-BFGS iterations per PDVI primal solve")
     parser.add_argument("--seed", type=int, default=0)
@@ -150,12 +157,14 @@ def main(args: argparse.Namespace) -> list[dict]:
 
     histories = []
     variants = [("PD-VI", None, "consensus"), ("PD-VI", None, "paper"), ("P2D-VI", "per_site", "consensus")]
+    local_solver = GMMBlockSolver(data, prior) if args.closed_form else None
+    solver_name = "closed form x10 sweeps" if args.closed_form else f"lbfgs x{args.inner_steps}"
     for eta_scale in [float(v) for v in args.eta_scales.split(",")]:
         for name, groups, rule in variants:
             histories.append(
                 run(
                     name,
-                    f"{rule}, auto x{eta_scale:g}, lbfgs x{args.inner_steps}",
+                    f"{rule}, auto x{eta_scale:g}, {solver_name}",
                     lambda groups=groups, rule=rule, eta_scale=eta_scale: PDVI(
                         gmm.model,
                         gmm.guide,
@@ -166,6 +175,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                         global_update=rule,
                         eta_scale=eta_scale,
                         inner_steps=args.inner_steps,
+                        local_solver=local_solver,
                     ),
                     gmm,
                     blocks,
@@ -198,17 +208,20 @@ def main(args: argparse.Namespace) -> list[dict]:
         writer.writeheader()
         writer.writerows(rows)
 
+    # The first epoch carries one-off costs (PDVI's eta="auto" curvature measurement), so
+    # it is reported apart from the steady per-epoch cost.
     header = (
         "| method | setting | epochs to gap<1e-3 | epochs to W2<=1.1xW2* | final gap | "
-        "final W2/W2* | s/epoch |"
+        "final W2/W2* | first epoch s | s/epoch after |"
     )
-    print("\n" + header + "\n|" + "---|" * 7)
+    print("\n" + header + "\n|" + "---|" * 8)
     for history in histories:
-        last = history[-1]
+        first, last = history[0], history[-1]
+        steady = (last["seconds"] - first["seconds"]) / max(last["epoch"] - 1, 1)
         print(
             f"| {last['method']} | {last['setting']} | {first_epoch(history, 'gap', 1e-3)} | "
             f"{first_epoch(history, 'w2_ratio', 1.1)} | {last['gap']:.2e} | {last['w2_ratio']:.3f} | "
-            f"{last['seconds'] / last['epoch']:.2f} |"
+            f"{first['seconds']:.2f} | {steady:.3f} |"
         )
     plot(histories, out / "gmm_generic.png")
     return rows

@@ -15,7 +15,8 @@ def load(name):
     return module
 
 
-def test_gmm_generic_benchmark_tiny(tmp_path):
+@pytest.mark.parametrize("closed_form", [False, True], ids=["lbfgs", "closed_form"])
+def test_gmm_generic_benchmark_tiny(tmp_path, closed_form):
     module = load("benchmark_gmm_generic")
     args = module.parse_args(
         [
@@ -41,6 +42,7 @@ def test_gmm_generic_benchmark_tiny(tmp_path):
             "--out",
             str(tmp_path),
         ]
+        + (["--closed-form"] if closed_form else [])
     )
     rows = module.main(args)
     assert {row["method"] for row in rows} == {"PD-VI", "P2D-VI", "SVI+Adam"}

@@ -286,7 +286,7 @@ class PDVI:
         indices = self.partition.blocks[b].to(self.device)
         warm = self._block_rows(indices)
 
-        def solve_rows(point: torch.Tensor) -> dict[str, torch.Tensor]:
+        def solve_rows(point: torch.Tensor, iterations: int = 10) -> dict[str, torch.Tensor]:
             rows = {k: v.clone().requires_grad_() for k, v in warm.items()}
             values = self.layout.unflatten(point.detach())
 
@@ -294,11 +294,11 @@ class PDVI:
                 with noise():
                     return self._objective(indices, values, rows, self._local_params(), args, kwargs)
 
-            minimize(block_loss, rows, "lbfgs", 30)
+            minimize(block_loss, rows, "lbfgs", iterations)
             return {k: v.detach() for k, v in rows.items()}
 
-        # Finite-difference probes around lambda_0 start from phi*(lambda_0).
-        warm = solve_rows(self._state.consensus)
+        # Finite-difference probes around lambda_0 start from phi*(lambda_0), a short way off.
+        warm = solve_rows(self._state.consensus, iterations=30)
 
         def gradient(point: torch.Tensor) -> torch.Tensor:
             return self._block_gradient(b, point, args, kwargs, noise, solve_rows(point))
