@@ -156,7 +156,13 @@ def lbfgs(
         step, accepted = 1.0, False
         for _ in range(30):
             x_new = x + step * direction
-            f_new, g_new = evaluate(x_new)
+            try:
+                f_new, g_new = evaluate(x_new)
+            except ValueError:
+                # A trial point outside the model's support (Pyro's argument validation, e.g.
+                # a scale that overflowed) counts as f = +inf: backtrack.
+                step *= 0.5
+                continue
             if bool(torch.isfinite(f_new)) and (
                 f_new <= f + 1e-4 * step * slope
                 or (f_new <= f + roundoff * (1 + f.abs()) and g_new.norm() < g.norm())
