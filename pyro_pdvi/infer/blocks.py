@@ -66,7 +66,7 @@ class BlockPartition:
             if (taken >= 0).any():
                 first = int(taken[taken >= 0][0])
                 raise ValueError(
-                    f"blocks do not partition range(N): blocks {first} and {b} share the indices "
+                    f"blocks do not partition range({block_of.numel()}): blocks {first} and {b} share the indices "
                     f"{_preview(block[taken >= 0])}"
                 )
             block_of[block] = b
