@@ -66,8 +66,8 @@ class BlockPartition:
             if (taken >= 0).any():
                 first = int(taken[taken >= 0][0])
                 raise ValueError(
-                    f"blocks do not partition range({block_of.numel()}): blocks {first} and {b} share the indices "
-                    f"{_preview(block[taken >= 0])}"
+                    f"blocks do not partition range({block_of.numel()}): blocks {first} and {b} "
+                    f"share the indices {_preview(block[taken >= 0])}"
                 )
             block_of[block] = b
         missing = (block_of < 0).nonzero().reshape(-1)
