@@ -3,6 +3,8 @@
 
 from .infer import (
     PDVI,
+    BlockBatch,
+    BlockBatchSolution,
     BlockPartition,
     BlockProblem,
     BlockSolution,
@@ -15,6 +17,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PDVI",
+    "BlockBatch",
+    "BlockBatchSolution",
     "BlockPartition",
     "BlockProblem",
     "BlockSolution",

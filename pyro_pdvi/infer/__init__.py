@@ -3,10 +3,12 @@
 from .blocks import BlockPartition
 from .consensus import ConsensusState
 from .pdvi import PDVI, NonFiniteStepError
-from .primal import BlockProblem, BlockSolution, LocalSolver
+from .primal import BlockBatch, BlockBatchSolution, BlockProblem, BlockSolution, LocalSolver
 
 __all__ = [
     "PDVI",
+    "BlockBatch",
+    "BlockBatchSolution",
     "BlockPartition",
     "BlockProblem",
     "BlockSolution",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyro
 import pyro.distributions as dist
@@ -41,7 +41,15 @@ from .preconditioner import (
     estimate_curvatures,
     resolve_groups,
 )
-from .primal import INNER_SOLVERS, BlockProblem, BlockSolution, LocalSolver, minimize
+from .primal import (
+    INNER_SOLVERS,
+    BlockBatch,
+    BlockBatchSolution,
+    BlockProblem,
+    BlockSolution,
+    LocalSolver,
+    minimize,
+)
 from .sites import DataPlate, GlobalLayout, find_data_plate, split_param_sites
 
 
@@ -53,6 +61,24 @@ def _check_positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Invalid {name}: {value!r}; use a positive int")
     return value
+
+
+class StepSolution(NamedTuple):
+    """The primal solutions of one step's blocks, before the dual and global update.
+
+    :param block_ids: the step's blocks, shape ``(m,)``.
+    :param copies: their new ``lambda_b``, flat, shape ``(m, P)``.
+    :param losses: ``f_b`` at the solutions, shape ``(m,)``.
+    :param indices: the blocks' data indices, concatenated in block order.
+    :param local: each local site's new rows for ``indices``, concatenated along the
+        site's plate axis.
+    """
+
+    block_ids: torch.Tensor
+    copies: torch.Tensor
+    losses: torch.Tensor
+    indices: torch.Tensor
+    local: dict[str, torch.Tensor]
 
 
 class PDVI:
@@ -365,10 +391,10 @@ class PDVI:
             kwargs=kwargs,
         )
 
-    def _solve_block(self, b: int, args: tuple, kwargs: dict) -> BlockSolution:
-        """Primal step for block ``b`` [1, Alg. 2-3]."""
+    def _solve_block(self, b: int, seed: int, args: tuple, kwargs: dict) -> BlockSolution:
+        """Primal step for block ``b`` [1, Alg. 2-3], with the Monte Carlo noise of ``seed``."""
         problem = self._block_problem(b, args, kwargs)
-        noise = FixedNoise(self._draw_seed(), self.device)
+        noise = FixedNoise(seed, self.device)
         local_full = self._local_params()
 
         def block_loss(copies: dict[str, torch.Tensor], rows: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -404,10 +430,103 @@ class PDVI:
                 copies = {k: v.detach() for k, v in current_copies().items()}
             solution = BlockSolution(copies, {k: v.detach() for k, v in rows.items()})
         if solution.loss is None:
-            # TraceEnum_ELBO's differentiable_loss refuses a loss that nothing requires grad of.
-            copies = {k: v.detach().requires_grad_() for k, v in solution.globals.items()}
-            solution.loss = block_loss(copies, solution.local).detach()
+            solution.loss = self._block_loss(b, seed, solution.globals, solution.local, args, kwargs)
         return solution
+
+    def _block_loss(
+        self,
+        b: int,
+        seed: int,
+        copies: dict[str, torch.Tensor],
+        rows: dict[str, torch.Tensor],
+        args: tuple,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        """``f_b`` at a solution, with the noise of ``seed`` (detached)."""
+        # TraceEnum_ELBO's differentiable_loss refuses a loss that nothing requires grad of.
+        copies = {k: v.detach().requires_grad_() for k, v in copies.items()}
+        indices = self.partition.blocks[b].to(self.device)
+        with FixedNoise(seed, self.device)():
+            loss = self._objective(indices, copies, rows, self._local_params(), args, kwargs)
+        return loss.detach()
+
+    def _block_batch(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> BlockBatch:
+        """The stacked subproblems of equal-size blocks (see :class:`BlockBatch`)."""
+        state = self._state
+        indices = torch.stack([self.partition.blocks[b] for b in block_ids.tolist()]).to(self.device)
+        flat = indices.reshape(-1)
+        local_full = self._local_params()
+        local = {
+            s.name: local_full[s.name]
+            .detach()
+            .index_select(s.axis, flat)
+            .unflatten(s.axis, indices.shape)
+            .movedim(s.axis - 1, 0)
+            for s in self.local_sites
+        }
+        return BlockBatch(
+            blocks=block_ids,
+            indices=indices,
+            consensus=self.layout.unflatten(state.consensus),
+            dual=self.layout.unflatten(state.duals[block_ids.to(state.duals.device)]),
+            step_sizes=self.layout.unflatten(state.step_sizes),
+            local=local,
+            num_blocks=len(self.partition),
+            num_data=self.partition.num_data,
+            args=args,
+            kwargs=kwargs,
+        )
+
+    def _can_batch(self, block_ids: torch.Tensor) -> bool:
+        sizes = self.partition.sizes[block_ids]
+        return (
+            len(block_ids) > 1
+            and hasattr(self.local_solver, "solve_batch")
+            and bool((sizes == sizes[0]).all())
+        )
+
+    def _solve_step(
+        self, block_ids: torch.Tensor, seeds: list[int], args: tuple, kwargs: dict
+    ) -> StepSolution:
+        """Primal solutions of the step's blocks: one vectorized call where the local
+        solver has ``solve_batch`` and the blocks have equal sizes, else a loop."""
+        if self._can_batch(block_ids):
+            batch = self._block_batch(block_ids, args, kwargs)
+            solution: BlockBatchSolution = self.local_solver.solve_batch(batch)
+            copies = self.layout.flatten(solution.globals, batch_dims=1)
+            losses = solution.loss
+            if losses is None:
+                losses = torch.stack(
+                    [
+                        self._block_loss(
+                            b,
+                            seed,
+                            {k: v[i] for k, v in solution.globals.items()},
+                            {k: v[i] for k, v in solution.local.items()},
+                            args,
+                            kwargs,
+                        )
+                        for i, (b, seed) in enumerate(zip(block_ids.tolist(), seeds))
+                    ]
+                )
+            local = {
+                s.name: solution.local[s.name].movedim(0, s.axis - 1).flatten(s.axis - 1, s.axis)
+                for s in self.local_sites
+            }
+            return StepSolution(
+                block_ids, copies, losses.detach().reshape(-1), batch.indices.reshape(-1), local
+            )
+        solutions = [self._solve_block(b, seed, args, kwargs) for b, seed in zip(block_ids.tolist(), seeds)]
+        return StepSolution(
+            block_ids,
+            torch.stack([self.layout.flatten(s.globals) for s in solutions]),
+            torch.stack([s.loss.detach().reshape(()) for s in solutions]),
+            torch.cat([self.partition.blocks[b] for b in block_ids.tolist()]).to(self.device),
+            {
+                site.name: torch.cat([s.local[site.name] for s in solutions], dim=site.axis)
+                for site in self.local_sites
+            },
+        )
 
     def step(self, *args: Any, **kwargs: Any) -> float:
         """Take one PD-VI step on the block(s) whose indices the data plate subsamples.
@@ -422,71 +541,72 @@ class PDVI:
         if self._state is None:
             self._setup(traces, args, kwargs)
         block_ids = self.partition.blocks_in(self._step_indices(traces))
-        solutions = [self._solve_block(b, args, kwargs) for b in block_ids.tolist()]
-        copies = torch.stack([self.layout.flatten(s.globals) for s in solutions])
-        losses = torch.stack([s.loss.detach().reshape(()) for s in solutions])
-        update = self._state.propose(block_ids, copies)
-        self._refuse_non_finite(block_ids, solutions, losses, update)
+        seeds = torch.randint(0, 2**62, (len(block_ids),)).tolist()
+        solved = self._solve_step(block_ids, seeds, args, kwargs)
+        return self._commit(solved)
 
-        old_consensus, old_duals = self._state.consensus, self._state.duals[update.block_ids]
+    def _commit(self, solved: StepSolution) -> float:
+        """Dual and global update from the step's primal solutions; write the param store.
+
+        :returns: the step's loss as :meth:`step` returns it.
+        """
+        update = self._state.propose(solved.block_ids, solved.copies)
+        self._refuse_non_finite(solved, update)
+        old_consensus = self._state.consensus
+        old_duals = self._state.duals[update.block_ids]
         self._state.apply(update)
-        self._write_param_store(block_ids, solutions)
+        self._write_param_store(solved)
         self.num_steps += 1
         self.diagnostics = {
             "step": self.num_steps,
-            "blocks": block_ids,
-            "block_loss": losses,
-            "consensus_residual": (copies - old_consensus).norm(dim=1),
+            "blocks": solved.block_ids,
+            "block_loss": solved.losses,
+            "consensus_residual": (solved.copies - old_consensus).norm(dim=1),
             "dual_change": (update.duals - old_duals).norm(dim=1),
             "step_sizes": self.step_sizes,
         }
-        num_indices = int(self.partition.sizes[block_ids].sum())
-        return float(losses.sum() * (self.partition.num_data / num_indices))
+        num_indices = int(self.partition.sizes[solved.block_ids].sum())
+        return float(solved.losses.sum() * (self.partition.num_data / num_indices))
 
-    def _refuse_non_finite(
-        self,
-        block_ids: torch.Tensor,
-        solutions: list[BlockSolution],
-        losses: torch.Tensor,
-        update: ConsensusUpdate,
-    ) -> None:
-        tensors = [losses, update.copies, update.duals, update.consensus]
-        tensors += [rows for s in solutions for rows in s.local.values()]
+    def _refuse_non_finite(self, solved: StepSolution, update: ConsensusUpdate) -> None:
+        tensors = [solved.losses, update.copies, update.duals, update.consensus, *solved.local.values()]
         if bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()):
             return
-        b, culprit = self._find_non_finite(block_ids, solutions, update)
+        b, culprit = self._find_non_finite(solved, update)
         raise NonFiniteStepError(
             f"PDVI step {self.num_steps + 1}: block {b} produced a non-finite {culprit}; the step "
             "was refused and no param, dual or copy changed. Check the model on this block, "
             "or lower eta / eta_scale."
         )
 
-    def _find_non_finite(
-        self, block_ids: torch.Tensor, solutions: list[BlockSolution], update: ConsensusUpdate
-    ) -> tuple[int, str]:
+    def _find_non_finite(self, solved: StepSolution, update: ConsensusUpdate) -> tuple[int, str]:
         """The first block and quantity that is not finite (the slow path of a refused step)."""
-        for b, solution in zip(block_ids.tolist(), solutions):
-            if not torch.isfinite(solution.loss).all():
+        block_ids = solved.block_ids.tolist()
+        sizes = self.partition.sizes[solved.block_ids].tolist()
+        local_rows = {
+            site.name: solved.local[site.name].split(sizes, dim=site.axis) for site in self.local_sites
+        }
+        for i, b in enumerate(block_ids):
+            if not torch.isfinite(solved.losses[i]):
                 return b, "loss f_b"
-            for name, value in {**solution.globals, **solution.local}.items():
+            values = {**self.layout.unflatten(solved.copies[i]), **{k: v[i] for k, v in local_rows.items()}}
+            for name, value in values.items():
                 if not torch.isfinite(value).all():
                     return b, f'value of site "{name}"'
-        for b, dual in zip(block_ids.tolist(), update.duals):
+        for b, dual in zip(block_ids, update.duals):
             if not torch.isfinite(dual).all():
                 bad = int((~torch.isfinite(dual)).nonzero()[0])
                 return b, f'dual of site "{self.layout.site_of(bad)}"'
         bad = int((~torch.isfinite(update.consensus)).nonzero()[0])
-        return int(block_ids[0]), f'consensus of site "{self.layout.site_of(bad)}"'
+        return block_ids[0], f'consensus of site "{self.layout.site_of(bad)}"'
 
-    def _write_param_store(self, block_ids: torch.Tensor, solutions: list[BlockSolution]) -> None:
+    def _write_param_store(self, solved: StepSolution) -> None:
         params = dict(pyro.get_param_store().named_parameters())
         with torch.no_grad():
             for name, value in self.layout.unflatten(self._state.consensus).items():
                 params[name].copy_(value)
-            for b, solution in zip(block_ids.tolist(), solutions):
-                indices = self.partition.blocks[b].to(self.device)
-                for site in self.local_sites:
-                    params[site.name].index_copy_(site.axis, indices, solution.local[site.name])
+            for site in self.local_sites:
+                params[site.name].index_copy_(site.axis, solved.indices, solved.local[site.name])
 
     # ---------------------------------------------------------- inspection
 

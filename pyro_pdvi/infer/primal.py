@@ -88,6 +88,84 @@ class BlockSolution:
 LocalSolver = Callable[[BlockProblem], BlockSolution]
 
 
+@dataclass
+class BlockBatch:
+    """The subproblems of ``m`` equal-size blocks of one step, stacked along a new
+    leading axis, for a local solver that solves them in one vectorized pass.
+
+    A local solver that has a method ``solve_batch(batch: BlockBatch) ->
+    BlockBatchSolution`` gets one call per step over several equal-size blocks
+    instead of ``m`` calls of ``__call__``; the blocks' subproblems are independent
+    given ``lambda_0`` [1, Alg. 1], so the result must equal the loop over
+    :meth:`problem`.
+
+    :param blocks: the block ids, shape ``(m,)``.
+    :param indices: their data indices, shape ``(m, s)``.
+    :param consensus: ``lambda_0`` for each global site (shared, no batch axis).
+    :param dual: ``mu_b`` for each global site, shape ``(m, *site_shape)``.
+    :param step_sizes: ``eta`` for each coordinate, shaped like each global site.
+    :param local: warm starts ``phi_b`` for each local site, shape ``(m, *rows_shape)``
+        where ``rows_shape`` is the site's shape with ``s`` rows along its plate axis.
+    :param num_blocks: n.
+    :param num_data: N.
+    :param args: the positional arguments of the step.
+    :param kwargs: the keyword arguments of the step.
+    """
+
+    blocks: torch.Tensor
+    indices: torch.Tensor
+    consensus: dict[str, torch.Tensor]
+    dual: dict[str, torch.Tensor]
+    step_sizes: dict[str, torch.Tensor]
+    local: dict[str, torch.Tensor]
+    num_blocks: int
+    num_data: int
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.indices.shape[0]
+
+    def problem(self, i: int) -> BlockProblem:
+        """The ``i``-th block's :class:`BlockProblem` (views, no copies)."""
+        return BlockProblem(
+            block=int(self.blocks[i]),
+            indices=self.indices[i],
+            consensus=self.consensus,
+            dual={k: v[i] for k, v in self.dual.items()},
+            step_sizes=self.step_sizes,
+            local={k: v[i] for k, v in self.local.items()},
+            num_blocks=self.num_blocks,
+            num_data=self.num_data,
+            args=self.args,
+            kwargs=self.kwargs,
+        )
+
+    def penalty(self, copies: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each block's ``<mu_b, lambda_b - lambda_0> + 1/2 ||lambda_b - lambda_0||^2_D``,
+        shape ``(m,)``, for copies of shape ``(m, *site_shape)``."""
+        total = 0.0
+        for name, value in copies.items():
+            diff = value - self.consensus[name]
+            terms = self.dual[name] * diff + 0.5 * diff.square() / self.step_sizes[name]
+            total = total + terms.flatten(1).sum(1)
+        return total
+
+
+@dataclass
+class BlockBatchSolution:
+    """What ``solve_batch`` returns: :class:`BlockSolution` fields stacked over the batch.
+
+    :param globals: ``lambda_b`` for each global site, shape ``(m, *site_shape)``.
+    :param local: the new ``phi_b`` for each local site, shaped like ``batch.local``.
+    :param loss: ``f_b`` at each solution, shape ``(m,)``, if the solver knows it.
+    """
+
+    globals: dict[str, torch.Tensor]
+    local: dict[str, torch.Tensor]
+    loss: torch.Tensor | None = None
+
+
 def lbfgs(
     objective: Callable[[], torch.Tensor],
     params: list[torch.Tensor],

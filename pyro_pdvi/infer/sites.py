@@ -83,11 +83,18 @@ class GlobalLayout:
     def names(self) -> list[str]:
         return [site.name for site in self.sites]
 
-    def flatten(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Concatenate per-site tensors into one vector."""
+    def flatten(self, values: dict[str, torch.Tensor], batch_dims: int = 0) -> torch.Tensor:
+        """Concatenate per-site tensors into one vector (or, with ``batch_dims`` leading
+        batch dims, into a batch of vectors of shape ``batch + (size,)``)."""
         if not self.sites:
             return torch.zeros(0)
-        return torch.cat([values[site.name].reshape(-1) for site in self.sites])
+        return torch.cat(
+            [
+                values[site.name].flatten(batch_dims) if batch_dims else values[site.name].reshape(-1)
+                for site in self.sites
+            ],
+            dim=-1,
+        )
 
     def unflatten(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``vector`` (or of its last dim) shaped like each site."""

@@ -1,0 +1,68 @@
+"""Several blocks per step through a local solver's ``solve_batch``: the engine's
+stacking and unstacking must give exactly what the loop over blocks gives."""
+
+import pyro
+import pytest
+import torch
+from pyro.infer import TraceEnum_ELBO
+
+from pyro_pdvi import PDVI, BlockBatch, BlockBatchSolution
+from pyro_pdvi.models.gmm import GMMBlockSolver, GMMModel, make_biased_gmm
+
+
+class LoopingBatchSolver(GMMBlockSolver):
+    """``solve_batch`` by a loop over :meth:`BlockBatch.problem`, stacked; it records its calls."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batch_sizes = []
+
+    def solve_batch(self, batch: BlockBatch) -> BlockBatchSolution:
+        self.batch_sizes.append(len(batch))
+        solutions = [self(batch.problem(i)) for i in range(len(batch))]
+        return BlockBatchSolution(
+            globals={k: torch.stack([s.globals[k] for s in solutions]) for k in solutions[0].globals},
+            local={k: torch.stack([s.local[k] for s in solutions]) for k in solutions[0].local},
+            loss=torch.stack([s.loss for s in solutions]),
+        )
+
+
+def run(solver_cls, data, schedule):
+    pyro.clear_param_store()
+    gmm = GMMModel(data.data, data.prior)
+    solver = solver_cls(data.data, data.prior)
+    pdvi = PDVI(
+        gmm.model,
+        gmm.guide,
+        pyro.optim.Adam({"lr": 0.01}),
+        TraceEnum_ELBO(max_plate_nesting=1),
+        blocks=data.blocks,
+        eta=1e-2,
+        groups=[{"sites": ["rho"], "eta": 1e-1}],
+        local_solver=solver,
+        global_update="paper",
+    )
+    losses = [pdvi.step(torch.cat([data.blocks[b] for b in step])) for step in schedule]
+    store = pyro.get_param_store()
+    return solver, losses, {k: store[k].detach().clone() for k in ("m", "rho", "alpha")}, pdvi
+
+
+def test_batched_step_equals_loop_over_blocks():
+    data = make_biased_gmm(120, 3, 2, 20, 0.9, seed=3, separation=3.0)
+    schedule = [[0, 3], [1, 2, 5], [4, 0], [3, 1]]
+    batched, batched_losses, batched_params, batched_pdvi = run(LoopingBatchSolver, data, schedule)
+    _, loop_losses, loop_params, loop_pdvi = run(GMMBlockSolver, data, schedule)
+    assert batched.batch_sizes == [2, 3, 2, 2]
+    assert batched_losses == pytest.approx(loop_losses, rel=1e-12, abs=0)
+    for name in batched_params:
+        torch.testing.assert_close(batched_params[name], loop_params[name], rtol=0, atol=1e-12)
+    torch.testing.assert_close(batched_pdvi.state.duals, loop_pdvi.state.duals, rtol=0, atol=1e-12)
+
+
+def test_unequal_blocks_fall_back_to_the_loop():
+    data = make_biased_gmm(60, 3, 2, 20, 0.9, seed=3, separation=3.0)
+    blocks = [data.blocks[0], torch.cat([data.blocks[1], data.blocks[2][:5]]), data.blocks[2][5:]]
+    data = data._replace(blocks=blocks)
+    solver, _, params, _ = run(LoopingBatchSolver, data, [[0, 1], [1, 2]])
+    assert solver.batch_sizes == []
+    assert torch.isfinite(params["alpha"]).all()
