@@ -22,6 +22,7 @@ With ``H = diag(step_sizes)`` (``D = H^{-1}`` in the augmented Lagrangian):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -72,17 +73,37 @@ class ConsensusState:
         """``h = H * mean_b(mu_b)``, the dual correction of the consensus."""
         return self.step_sizes * self.dual_mean
 
-    def propose(self, block_ids: torch.Tensor, copies: torch.Tensor) -> ConsensusUpdate:
+    def propose(
+        self,
+        block_ids: torch.Tensor,
+        copies: torch.Tensor,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> ConsensusUpdate:
         """Compute the dual and global update for new block copies, without applying it.
 
         :param block_ids: the distinct blocks of this step, shape (m,).
         :param copies: their new copies ``lambda_b``, shape (m, P).
+        :param all_reduce: for a step whose blocks are spread over processes: sums a
+            tensor over them (each process passes its own blocks). The global update
+            needs only sums over the step's blocks: of the dual and copy changes (for
+            ``mean(mu)`` and ``mean(lambda_b)``) and of the copies (for ``gamma``).
         """
         block_ids = block_ids.to(self.duals.device)
+        size = self.consensus.numel()
         duals = self.duals[block_ids] + (copies - self.consensus) / self.step_sizes
-        dual_mean = self.dual_mean + (duals - self.duals[block_ids]).sum(0) / self.num_blocks
-        copy_mean = self.copy_mean + (copies - self.copies[block_ids]).sum(0) / self.num_blocks
-        base = copies.mean(0) if self.global_update == "paper" else copy_mean
+        sums = torch.cat(
+            [
+                (duals - self.duals[block_ids]).sum(0),
+                (copies - self.copies[block_ids]).sum(0),
+                copies.sum(0),
+                copies.new_full((1,), len(block_ids)),
+            ]
+        )
+        if all_reduce is not None:
+            sums = all_reduce(sums)
+        dual_mean = self.dual_mean + sums[:size] / self.num_blocks
+        copy_mean = self.copy_mean + sums[size : 2 * size] / self.num_blocks
+        base = sums[2 * size : 3 * size] / sums[-1] if self.global_update == "paper" else copy_mean
         consensus = base + self.step_sizes * dual_mean
         return ConsensusUpdate(block_ids, copies, duals, dual_mean, copy_mean, consensus)
 

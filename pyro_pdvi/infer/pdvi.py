@@ -199,13 +199,19 @@ class PDVI:
         self._loss_fn = loss_fn
         self._state: ConsensusState | None = None
         self._pending_state: dict | None = None
+        # PDVI's own randomness (noise seeds, curvature probes) comes from this generator,
+        # seeded from torch's at the first step: it does not depend on how much the traces
+        # draw, so a run split over processes draws the same seeds (pyro_pdvi.distributed).
+        self._rng: torch.Generator | None = None
 
     # ------------------------------------------------------------------ setup
 
-    def _trace(self, args: tuple, kwargs: dict) -> list:
-        """Guide and model traces of one call (creates params on first use)."""
+    def _trace(self, args: tuple, kwargs: dict, model: bool = True) -> list:
+        """Guide and (if ``model``) model traces of one call (creates params on first use)."""
         with torch.no_grad(), poutine.block():
             guide_trace = poutine.trace(self.guide).get_trace(*args, **kwargs)
+            if not model:
+                return [guide_trace]
             model_trace = poutine.trace(poutine.replay(self.model, trace=guide_trace)).get_trace(
                 *args, **kwargs
             )
@@ -216,6 +222,7 @@ class PDVI:
         unconstrained = dict(store.named_parameters())
         site_constraints = store.get_state()["constraints"]
         self.plate: DataPlate = find_data_plate(traces, self.partition.num_data, self.plate_name)
+        self._plate_in_guide = self.plate.name in traces[0].nodes
         global_sites, self.local_sites = split_param_sites(
             traces, self.plate, site_constraints, unconstrained
         )
@@ -291,7 +298,7 @@ class PDVI:
         ``lambda``-block of the Hessian of ``f_b`` (5x on the linear-Gaussian test),
         and a step size from the latter is needlessly small.
         """
-        chosen = torch.randperm(len(self.partition))[: self.curvature_blocks].tolist()
+        chosen = torch.randperm(len(self.partition), generator=self._rng)[: self.curvature_blocks].tolist()
         curvatures = [
             estimate_curvatures(
                 self._reduced_gradient(b, args, kwargs),
@@ -358,9 +365,14 @@ class PDVI:
 
     # ------------------------------------------------------------- the step
 
-    @staticmethod
-    def _draw_seed() -> int:
-        return int(torch.randint(0, 2**62, ()))
+    def _draw_seed(self) -> int:
+        return int(torch.randint(0, 2**62, (), generator=self._rng))
+
+    def _block_seeds(self, block_ids: torch.Tensor) -> list[int]:
+        """One noise seed per block of the step, from one draw: block ``b``'s seed depends
+        on the draw and on ``b`` only, not on which other blocks share the step."""
+        base = self._draw_seed()
+        return [(base + (b + 1) * 0x9E3779B97F4A7C15) % 2**63 for b in block_ids.tolist()]
 
     def _local_params(self) -> dict[str, torch.Tensor]:
         params = dict(pyro.get_param_store().named_parameters())
@@ -537,20 +549,33 @@ class PDVI:
         :raises NonFiniteStepError: if the loss or the update is not finite; then
             no param, dual or copy has changed.
         """
-        traces = self._trace(args, kwargs)
         if self._state is None:
+            self._seed_generator()
+            traces = self._trace(args, kwargs)
             self._setup(traces, args, kwargs)
+        else:
+            # The guide alone tells the step's subsample when the data plate is in it.
+            traces = self._trace(args, kwargs, model=not self._plate_in_guide)
         block_ids = self.partition.blocks_in(self._step_indices(traces))
-        seeds = torch.randint(0, 2**62, (len(block_ids),)).tolist()
-        solved = self._solve_step(block_ids, seeds, args, kwargs)
+        solved = self._solve_step(block_ids, self._block_seeds(block_ids), args, kwargs)
         return self._commit(solved)
+
+    def _seed_generator(self) -> None:
+        if self._rng is None:
+            self._rng = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())))
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the processes that share a step: the identity in one process
+        (:class:`~pyro_pdvi.distributed.DistributedPDVI` overrides it)."""
+        return tensor
 
     def _commit(self, solved: StepSolution) -> float:
         """Dual and global update from the step's primal solutions; write the param store.
 
         :returns: the step's loss as :meth:`step` returns it.
         """
-        update = self._state.propose(solved.block_ids, solved.copies)
+        all_reduce = None if type(self)._all_reduce is PDVI._all_reduce else self._all_reduce
+        update = self._state.propose(solved.block_ids, solved.copies, all_reduce)
         self._refuse_non_finite(solved, update)
         old_consensus = self._state.consensus
         old_duals = self._state.duals[update.block_ids]
@@ -565,13 +590,27 @@ class PDVI:
             "dual_change": (update.duals - old_duals).norm(dim=1),
             "step_sizes": self.step_sizes,
         }
-        num_indices = int(self.partition.sizes[solved.block_ids].sum())
-        return float(solved.losses.sum() * (self.partition.num_data / num_indices))
+        loss_and_size = torch.stack(
+            [
+                solved.losses.sum(),
+                solved.losses.new_tensor(float(self.partition.sizes[solved.block_ids].sum())),
+            ]
+        )
+        loss, num_indices = self._all_reduce(loss_and_size).tolist()
+        return loss * (self.partition.num_data / num_indices)
 
     def _refuse_non_finite(self, solved: StepSolution, update: ConsensusUpdate) -> None:
         tensors = [solved.losses, update.copies, update.duals, update.consensus, *solved.local.values()]
-        if bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()):
+        finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+        # In a step spread over processes, every process refuses if any one must.
+        failed = self._all_reduce((~finite).to(update.consensus.dtype).reshape(1))
+        if not bool(failed):
             return
+        if bool(finite):
+            raise NonFiniteStepError(
+                f"PDVI step {self.num_steps + 1}: a block of another process produced a non-finite "
+                "value; the step was refused in every process and no param, dual or copy changed."
+            )
         b, culprit = self._find_non_finite(solved, update)
         raise NonFiniteStepError(
             f"PDVI step {self.num_steps + 1}: block {b} produced a non-finite {culprit}; the step "
@@ -664,6 +703,7 @@ class PDVI:
             "groups": [g.name for g in self.group_list],
             "group_step_sizes": self._group_step_sizes.clone(),
             "consensus_state": self._state.state_dict(),
+            "rng_state": self._rng.get_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -687,4 +727,6 @@ class PDVI:
                 f"{[g.name for g in self.group_list]}"
             )
         self._state.load_state_dict(state["consensus_state"])
+        if "rng_state" in state:
+            self._rng.set_state(state["rng_state"])
         self._group_step_sizes = state["group_step_sizes"].clone()
