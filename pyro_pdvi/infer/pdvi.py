@@ -244,6 +244,17 @@ class PDVI:
         self._state = ConsensusState(
             consensus, len(self.partition), torch.ones_like(consensus), self.global_update
         )
+        # One evaluation before any solve: an ELBO's lazy set-up (Pyro guesses
+        # max_plate_nesting by tracing, which draws) must not shift the fixed noise of
+        # the first solve, nor differ between a fresh and a resumed run.
+        self._block_loss(
+            0,
+            0,
+            self.layout.unflatten(consensus),
+            self._block_rows(self.partition.blocks[0].to(self.device)),
+            args,
+            kwargs,
+        )
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
