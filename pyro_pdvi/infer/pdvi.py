@@ -331,6 +331,8 @@ class PDVI:
         warm = self._block_rows(indices)
 
         def solve_rows(point: torch.Tensor, iterations: int = 10) -> dict[str, torch.Tensor]:
+            if self.local_solver is not None:
+                return self._solver_rows(b, point, warm, args, kwargs)
             rows = {k: v.clone().requires_grad_() for k, v in warm.items()}
             values = self.layout.unflatten(point.detach())
 
@@ -348,6 +350,28 @@ class PDVI:
             return self._block_gradient(b, point, args, kwargs, noise, solve_rows(point))
 
         return gradient
+
+    def _solver_rows(
+        self, b: int, point: torch.Tensor, warm: dict[str, torch.Tensor], args: tuple, kwargs: dict
+    ) -> dict[str, torch.Tensor]:
+        """``phi_b*(lambda)`` from the local solver: as the step size vanishes, the
+        augmented Lagrangian pins ``lambda_b`` to ``lambda`` and its minimiser in
+        ``phi_b`` is ``argmin_phi f_b(phi, lambda)``. A closed-form solver gives it in a
+        few sweeps, where the generic path needs an L-BFGS solve per probe."""
+        consensus = self.layout.unflatten(point.detach())
+        problem = BlockProblem(
+            block=b,
+            indices=self.partition.blocks[b].to(self.device),
+            consensus=consensus,
+            dual={k: torch.zeros_like(v) for k, v in consensus.items()},
+            step_sizes={k: torch.full_like(v, 1e-12) for k, v in consensus.items()},
+            local=warm,
+            num_blocks=len(self.partition),
+            num_data=self.partition.num_data,
+            args=args,
+            kwargs=kwargs,
+        )
+        return {k: v.detach() for k, v in self.local_solver(problem).local.items()}
 
     def _block_rows(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
         """The block's current rows of each local site (detached)."""
