@@ -62,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="PDVI solves each block with GMMBlockSolver (closed-form coordinate descent) instead of L-BFGS",
     )
+    parser.add_argument(
+        "--rules",
+        default="auto,paper,consensus",
+        help="PDVI global_update rules to run (comma list); P2D-VI runs with the first",
+    )
+    parser.add_argument("--warmup-epochs", type=float, default=5.0, help="PDVI warmup_epochs (rule 'auto')")
     parser.add_argument("--eta-scales", default="2", help="PDVI eta_scale values to run (comma list)")
     parser.add_argument("--inner-steps", type=int, default=10, help="L-BFGS iterations per PDVI primal solve")
     parser.add_argument("--seed", type=int, default=0)
@@ -156,7 +162,8 @@ def main(args: argparse.Namespace) -> list[dict]:
         return pyro.optim.Adam({"lr": lr})
 
     histories = []
-    variants = [("PD-VI", None, "consensus"), ("PD-VI", None, "paper"), ("P2D-VI", "per_site", "consensus")]
+    rules = args.rules.split(",")
+    variants = [("PD-VI", None, rule) for rule in rules] + [("P2D-VI", "per_site", rules[0])]
     local_solver = GMMBlockSolver(data, prior) if args.closed_form else None
     solver_name = "closed form x10 sweeps" if args.closed_form else f"lbfgs x{args.inner_steps}"
     for eta_scale in [float(v) for v in args.eta_scales.split(",")]:
@@ -173,6 +180,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                         blocks=blocks,
                         groups=groups,
                         global_update=rule,
+                        warmup_epochs=args.warmup_epochs,
                         eta_scale=eta_scale,
                         inner_steps=args.inner_steps,
                         local_solver=local_solver,

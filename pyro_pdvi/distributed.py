@@ -181,8 +181,7 @@ class DistributedPDVI(PDVI):
             self._setup(self._trace(args, kwargs), args, kwargs)
             if self.num_steps == 0:
                 self._synchronise_setup()
-        traces = self._trace(args, kwargs, model=not self._plate_in_guide)
-        block_ids = self.partition.blocks_in(self._step_indices(traces))
+        block_ids = self.partition.blocks_in(self._step_subsample(args, kwargs))
         foreign = sorted(set(block_ids.tolist()) - set(self.owned_blocks))
         seeds = self._block_seeds(block_ids)
         error: BaseException | None = None

@@ -12,6 +12,7 @@ validates such a partition once, and maps the subsample indices that a Pyro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,13 @@ def _preview(values: torch.Tensor, limit: int = 8) -> str:
     items = values.tolist()
     text = ", ".join(str(v) for v in items[:limit])
     return f"[{text}{', ...' if len(items) > limit else ''}] ({len(items)} in all)"
+
+
+class _DeviceBlocks(NamedTuple):
+    blocks: list[torch.Tensor]
+    stack: torch.Tensor | None  # (n, s) when every block has size s
+    block_of: torch.Tensor
+    sizes: torch.Tensor
 
 
 class BlockPartition:
@@ -77,11 +85,70 @@ class BlockPartition:
                 f"{_preview(missing)}"
             )
         self.block_of = block_of
+        self._on_device: dict[torch.device, _DeviceBlocks] = {}
 
     def __len__(self) -> int:
         return len(self.blocks)
 
+    def _device_copies(self, device: torch.device | str) -> _DeviceBlocks:
+        """The partition's tensors on ``device``, copied once."""
+        device = torch.device(device)
+        if device not in self._on_device:
+            blocks = [block.to(device) for block in self.blocks]
+            equal = bool((self.sizes == self.sizes[0]).all())
+            self._on_device[device] = _DeviceBlocks(
+                blocks,
+                torch.stack(blocks) if equal else None,
+                self.block_of[: self.num_data].to(device),
+                self.sizes.to(device),
+            )
+        return self._on_device[device]
+
+    def block(self, b: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Block ``b``'s indices on ``device`` (cached)."""
+        return self._device_copies(device).blocks[b]
+
+    def stacked(self, block_ids: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The indices of equal-size blocks ``block_ids`` as one ``(m, s)`` tensor on ``device``."""
+        copies = self._device_copies(device)
+        if copies.stack is not None:
+            return copies.stack.index_select(0, block_ids.to(copies.stack.device))
+        return torch.stack([copies.blocks[b] for b in block_ids.tolist()])
+
     def blocks_in(self, indices: torch.Tensor) -> torch.Tensor:
+        """The blocks whose union is exactly ``indices``, checked where ``indices`` lives
+        (on a GPU: no copy of the indices to the host, one synchronisation).
+
+        :param indices: subsample indices recorded by the data plate.
+        :returns: the sorted block ids, a LongTensor on the CPU.
+        :raises ValueError: naming the foreign indices when ``indices`` is not a
+            union of whole blocks.
+        """
+        indices = torch.as_tensor(indices).detach().reshape(-1)
+        if indices.device.type == "cpu" or indices.numel() == 0:
+            return self._blocks_in_on_host(indices)
+        return self._blocks_in_on_device(indices)
+
+    def _blocks_in_on_device(self, indices: torch.Tensor) -> torch.Tensor:
+        """:meth:`blocks_in` without sorting or copying ``indices`` to the host."""
+        copies = self._device_copies(indices.device)
+        indices = indices.long()
+        inside = (indices >= 0) & (indices < self.num_data)
+        safe = indices.clamp(0, self.num_data - 1)  # an out-of-range gather is a fatal device error
+        ids = copies.block_of[safe]
+        counts = torch.bincount(ids, minlength=len(self))
+        position = torch.arange(indices.numel(), device=indices.device)
+        owner = torch.empty(self.num_data, dtype=torch.long, device=indices.device)
+        owner[safe] = position
+        present = counts > 0
+        bad = torch.stack(
+            [~inside.all(), (owner[safe] != position).any(), (present & (counts != copies.sizes)).any()]
+        )
+        if bool(bad.any()):
+            return self._blocks_in_on_host(indices)  # the slow path names what is wrong
+        return present.nonzero().reshape(-1).cpu()
+
+    def _blocks_in_on_host(self, indices: torch.Tensor) -> torch.Tensor:
         """The blocks whose union is exactly ``indices``.
 
         :param indices: subsample indices recorded by the data plate.

@@ -29,6 +29,7 @@ import torch
 from pyro import poutine
 from pyro.infer import ELBO
 from pyro.optim import PyroOptim
+from pyro.poutine.runtime import NonlocalExit
 
 from .blocks import BlockPartition
 from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate
@@ -145,7 +146,8 @@ class PDVI:
         eta: float | str = "auto",
         groups: list[dict] | str | None = None,
         eta_scale: float = 2.0,
-        global_update: str = "consensus",
+        global_update: str = "auto",
+        warmup_epochs: float = 5.0,
         inner_solver: str = "lbfgs",
         inner_steps: int = 20,
         local_solver: LocalSolver | None = None,
@@ -169,8 +171,14 @@ class PDVI:
             loss_fn = loss
         else:
             raise ValueError(f"loss must be a Pyro ELBO or a callable, got {type(loss).__name__}")
-        if global_update not in GLOBAL_UPDATES:
-            raise ValueError(f"Invalid global_update: {global_update!r}; use one of {GLOBAL_UPDATES}")
+        if global_update not in ("auto", *GLOBAL_UPDATES):
+            raise ValueError(
+                f"Invalid global_update: {global_update!r}; use 'auto' or one of {GLOBAL_UPDATES}"
+            )
+        if isinstance(warmup_epochs, bool) or not (
+            isinstance(warmup_epochs, (int, float)) and warmup_epochs >= 0
+        ):
+            raise ValueError(f"Invalid warmup_epochs: {warmup_epochs!r}; use a non-negative number")
         if inner_solver not in INNER_SOLVERS:
             raise ValueError(f"Invalid inner_solver: {inner_solver!r}; use one of {INNER_SOLVERS}")
         if not (isinstance(eta_scale, (int, float)) and eta_scale > 0):
@@ -188,6 +196,8 @@ class PDVI:
         self.groups = groups
         self.eta_scale = float(eta_scale)
         self.global_update = global_update
+        self.warmup_epochs = float(warmup_epochs)
+        self._block_visits = 0
         self.inner_solver = inner_solver
         self.inner_steps = _check_positive_int(inner_steps, "inner_steps")
         self.local_solver = local_solver
@@ -206,12 +216,10 @@ class PDVI:
 
     # ------------------------------------------------------------------ setup
 
-    def _trace(self, args: tuple, kwargs: dict, model: bool = True) -> list:
-        """Guide and (if ``model``) model traces of one call (creates params on first use)."""
+    def _trace(self, args: tuple, kwargs: dict) -> list:
+        """Guide and model traces of one call (creates params on first use)."""
         with torch.no_grad(), poutine.block():
             guide_trace = poutine.trace(self.guide).get_trace(*args, **kwargs)
-            if not model:
-                return [guide_trace]
             model_trace = poutine.trace(poutine.replay(self.model, trace=guide_trace)).get_trace(
                 *args, **kwargs
             )
@@ -223,6 +231,7 @@ class PDVI:
         site_constraints = store.get_state()["constraints"]
         self.plate: DataPlate = find_data_plate(traces, self.partition.num_data, self.plate_name)
         self._plate_in_guide = self.plate.name in traces[0].nodes
+        self._noisy_solve = self.local_solver is None and bool(self._sampled_sites(traces[0]))
         global_sites, self.local_sites = split_param_sites(
             traces, self.plate, site_constraints, unconstrained
         )
@@ -242,7 +251,7 @@ class PDVI:
             self.model, self.guide, self._loss_fn, self.plate, self.layout, self.local_sites
         )
         self._state = ConsensusState(
-            consensus, len(self.partition), torch.ones_like(consensus), self.global_update
+            consensus, len(self.partition), torch.ones_like(consensus), self._rule_for_step()
         )
         # One evaluation before any solve: an ELBO's lazy set-up (Pyro guesses
         # max_plate_nesting by tracing, which draws) must not shift the fixed noise of
@@ -251,7 +260,7 @@ class PDVI:
             0,
             0,
             self.layout.unflatten(consensus),
-            self._block_rows(self.partition.blocks[0].to(self.device)),
+            self._block_rows(self.partition.block(0, self.device)),
             args,
             kwargs,
         )
@@ -272,12 +281,10 @@ class PDVI:
             etas = [self.eta_scale / c if eta == "auto" else eta for eta, c in zip(etas, curvatures)]
         self._set_group_step_sizes(torch.tensor(etas, dtype=consensus.dtype))
 
-    def _warn_single_particle(self, guide_trace) -> None:
-        """One fixed Monte Carlo draw makes the primal solve minimise a sample-average
-        surrogate that a location-scale guide can drive to a degenerate optimum."""
-        if self.local_solver is not None or getattr(self.loss, "num_particles", 2) > 1:
-            return
-        sampled = [
+    @staticmethod
+    def _sampled_sites(guide_trace) -> list[str]:
+        """Guide sites that the loss estimates by Monte Carlo (not Delta, not enumerated)."""
+        return [
             name
             for name, site in guide_trace.nodes.items()
             if site["type"] == "sample"
@@ -285,6 +292,13 @@ class PDVI:
             and not isinstance(site["fn"], dist.Delta)
             and site["infer"].get("enumerate") is None
         ]
+
+    def _warn_single_particle(self, guide_trace) -> None:
+        """One fixed Monte Carlo draw makes the primal solve minimise a sample-average
+        surrogate that a location-scale guide can drive to a degenerate optimum."""
+        if self.local_solver is not None or getattr(self.loss, "num_particles", 2) > 1:
+            return
+        sampled = self._sampled_sites(guide_trace)
         if sampled:
             warnings.warn(
                 f"PDVI holds the Monte Carlo noise fixed within each primal solve, and the loss "
@@ -327,7 +341,7 @@ class PDVI:
     def _reduced_gradient(self, b: int, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
         """``lambda -> grad g_b(lambda)`` with ``g_b = min_phi f_b``, at fixed noise."""
         noise = FixedNoise(self._draw_seed(), self.device)
-        indices = self.partition.blocks[b].to(self.device)
+        indices = self.partition.block(b, self.device)
         warm = self._block_rows(indices)
 
         def solve_rows(point: torch.Tensor, iterations: int = 10) -> dict[str, torch.Tensor]:
@@ -361,7 +375,7 @@ class PDVI:
         consensus = self.layout.unflatten(point.detach())
         problem = BlockProblem(
             block=b,
-            indices=self.partition.blocks[b].to(self.device),
+            indices=self.partition.block(b, self.device),
             consensus=consensus,
             dual={k: torch.zeros_like(v) for k, v in consensus.items()},
             step_sizes={k: torch.full_like(v, 1e-12) for k, v in consensus.items()},
@@ -389,7 +403,7 @@ class PDVI:
     ) -> torch.Tensor:
         """``grad_lambda f_b(phi_b, lambda)`` at the flat global vector ``point``,
         with the given local rows (default: the block's current ones)."""
-        indices = self.partition.blocks[b].to(self.device)
+        indices = self.partition.block(b, self.device)
         rows = self._block_rows(indices) if rows is None else rows
         point = point.detach().requires_grad_()
         with noise() if noise is not None else contextlib.nullcontext():
@@ -413,18 +427,30 @@ class PDVI:
         params = dict(pyro.get_param_store().named_parameters())
         return {s.name: params[s.name] for s in self.local_sites}
 
-    def _step_indices(self, traces: list) -> torch.Tensor:
-        for trace in traces:
-            if self.plate.name in trace.nodes:
-                return trace.nodes[self.plate.name]["value"]
+    def _step_subsample(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The data plate's subsample in this call: the guide (or, if the plate is only in
+        the model, the model) runs up to the plate and stops there, without sampling
+        the rest (the whole trace cost more than the solve on large blocks)."""
+        fn = self.guide if self._plate_in_guide else self.model
+
+        def at_data_plate(msg: dict) -> bool:
+            return msg["name"] == self.plate.name and is_subsample_site(msg)
+
+        try:
+            with torch.no_grad(), poutine.block():
+                poutine.escape(fn, escape_fn=at_data_plate)(*args, **kwargs)
+        except NonlocalExit as exit_:
+            exit_.reset_stack()
+            return exit_.site["value"]
+        where = "guide" if self._plate_in_guide else "model"
         raise ValueError(
-            f"this step's model and guide never entered the data plate {self.plate.name!r}, so "
-            "PDVI cannot tell which block it is; pass the block's indices as its subsample"
+            f"this step's {where} never entered the data plate {self.plate.name!r}, so PDVI cannot "
+            "tell which block it is; pass the block's indices as the plate's subsample"
         )
 
     def _block_problem(self, b: int, args: tuple, kwargs: dict) -> BlockProblem:
         state = self._state
-        indices = self.partition.blocks[b].to(self.device)
+        indices = self.partition.block(b, self.device)
         return BlockProblem(
             block=b,
             indices=indices,
@@ -492,7 +518,7 @@ class PDVI:
         """``f_b`` at a solution, with the noise of ``seed`` (detached)."""
         # TraceEnum_ELBO's differentiable_loss refuses a loss that nothing requires grad of.
         copies = {k: v.detach().requires_grad_() for k, v in copies.items()}
-        indices = self.partition.blocks[b].to(self.device)
+        indices = self.partition.block(b, self.device)
         with FixedNoise(seed, self.device)():
             loss = self._objective(indices, copies, rows, self._local_params(), args, kwargs)
         return loss.detach()
@@ -500,7 +526,7 @@ class PDVI:
     def _block_batch(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> BlockBatch:
         """The stacked subproblems of equal-size blocks (see :class:`BlockBatch`)."""
         state = self._state
-        indices = torch.stack([self.partition.blocks[b] for b in block_ids.tolist()]).to(self.device)
+        indices = self.partition.stacked(block_ids, self.device)
         flat = indices.reshape(-1)
         local_full = self._local_params()
         local = {
@@ -568,7 +594,7 @@ class PDVI:
             block_ids,
             torch.stack([self.layout.flatten(s.globals) for s in solutions]),
             torch.stack([s.loss.detach().reshape(()) for s in solutions]),
-            torch.cat([self.partition.blocks[b] for b in block_ids.tolist()]).to(self.device),
+            torch.cat([self.partition.block(b, self.device) for b in block_ids.tolist()]),
             {
                 site.name: torch.cat([s.local[site.name] for s in solutions], dim=site.axis)
                 for site in self.local_sites
@@ -588,16 +614,22 @@ class PDVI:
             self._seed_generator()
             traces = self._trace(args, kwargs)
             self._setup(traces, args, kwargs)
-        else:
-            # The guide alone tells the step's subsample when the data plate is in it.
-            traces = self._trace(args, kwargs, model=not self._plate_in_guide)
-        block_ids = self.partition.blocks_in(self._step_indices(traces))
+        block_ids = self.partition.blocks_in(self._step_subsample(args, kwargs))
         solved = self._solve_step(block_ids, self._block_seeds(block_ids), args, kwargs)
         return self._commit(solved)
 
     def _seed_generator(self) -> None:
         if self._rng is None:
             self._rng = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())))
+
+    def _rule_for_step(self) -> str:
+        """The global-update rule of the coming step (see ``global_update``)."""
+        if self.global_update != "auto":
+            return self.global_update
+        if not self._noisy_solve:
+            return "paper"
+        warm = self._block_visits < self.warmup_epochs * len(self.partition)
+        return "paper" if warm else "consensus"
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the processes that share a step: the identity in one process
@@ -610,6 +642,7 @@ class PDVI:
         :returns: the step's loss as :meth:`step` returns it.
         """
         all_reduce = None if type(self)._all_reduce is PDVI._all_reduce else self._all_reduce
+        self._state.global_update = self._rule_for_step()
         update = self._state.propose(solved.block_ids, solved.copies, all_reduce)
         self._refuse_non_finite(solved, update)
         old_consensus = self._state.consensus
@@ -624,14 +657,12 @@ class PDVI:
             "consensus_residual": (solved.copies - old_consensus).norm(dim=1),
             "dual_change": (update.duals - old_duals).norm(dim=1),
             "step_sizes": self.step_sizes,
+            "global_update": self._state.global_update,
         }
-        loss_and_size = torch.stack(
-            [
-                solved.losses.sum(),
-                solved.losses.new_tensor(float(self.partition.sizes[solved.block_ids].sum())),
-            ]
-        )
-        loss, num_indices = self._all_reduce(loss_and_size).tolist()
+        counts = [float(self.partition.sizes[solved.block_ids].sum()), float(len(solved.block_ids))]
+        totals = torch.cat([solved.losses.sum().reshape(1), solved.losses.new_tensor(counts)])
+        loss, num_indices, num_blocks = self._all_reduce(totals).tolist()
+        self._block_visits += int(num_blocks)
         return loss * (self.partition.num_data / num_indices)
 
     def _refuse_non_finite(self, solved: StepSolution, update: ConsensusUpdate) -> None:
@@ -733,6 +764,7 @@ class PDVI:
             return {"num_steps": self.num_steps}
         return {
             "num_steps": self.num_steps,
+            "block_visits": self._block_visits,
             "num_data": self.partition.num_data,
             "global_sites": self.layout.names,
             "groups": [g.name for g in self.group_list],
@@ -745,6 +777,7 @@ class PDVI:
         """Restore from :meth:`state_dict`. Before the first step the state waits
         until the first step has found the sites, then is checked and applied."""
         self.num_steps = state["num_steps"]
+        self._block_visits = state.get("block_visits", 0)
         if "consensus_state" not in state:
             return
         if self._state is None:

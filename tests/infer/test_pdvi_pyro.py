@@ -323,3 +323,42 @@ def test_auto_eta_refuses_a_group_the_objective_ignores():
     )
     with pytest.raises(ValueError, match=r"curvature of 0.0 for group 'unused'"):
         pdvi.step(problem.blocks[0])
+
+
+def test_auto_global_update_warms_up_with_the_paper_rule_then_averages():
+    problem = Hierarchical(num_data=20, num_blocks=4)
+    pdvi = PDVI(
+        problem.model,
+        problem.guide,
+        pyro.optim.Adam({"lr": 0.05}),
+        TraceMeanField_ELBO(num_particles=4, vectorize_particles=True),
+        blocks=problem.blocks,
+        inner_steps=3,
+        warmup_epochs=1.5,
+    )
+    rules = []
+    for b in [0, 1, 2, 3, 0, 1, 2, 3]:
+        pdvi.step(problem.blocks[b])
+        rules.append(pdvi.diagnostics["global_update"])
+    # 1.5 epochs of 4 blocks: the first 6 block visits use the paper rule.
+    assert rules == ["paper"] * 6 + ["consensus"] * 2
+    assert pdvi.state_dict()["block_visits"] == 8
+
+
+def test_auto_global_update_keeps_the_paper_rule_for_a_deterministic_solve():
+    problem = Hierarchical(num_data=20, num_blocks=4)
+    guide = AutoDelta(problem.model, create_plates=lambda idx: pyro.plate("data", problem.N, subsample=idx))
+    pdvi = PDVI(
+        problem.model,
+        guide,
+        pyro.optim.Adam({"lr": 0.05}),
+        Trace_ELBO(),
+        blocks=problem.blocks,
+        inner_steps=3,
+        warmup_epochs=0,
+    )
+    for b in [0, 1, 2, 3]:
+        pdvi.step(problem.blocks[b])
+        assert pdvi.diagnostics["global_update"] == "paper"
+    with pytest.raises(ValueError, match="warmup_epochs"):
+        PDVI(problem.model, guide, pyro.optim.Adam({}), Trace_ELBO(), blocks=problem.blocks, warmup_epochs=-1)
