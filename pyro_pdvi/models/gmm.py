@@ -652,14 +652,21 @@ class GMMBlockSolver:
         m = m_0.expand(num_batch, -1, -1).clone()
         rho = rho_0.expand(num_batch, -1, -1).clone()
         rho_cap = rho_0 - eta_rho * (mu_rho - 0.5 * weight)
+        # Everything that does not change between sweeps, so that a sweep is few kernels.
         prior_precision = weight * precision_1
+        fixed_precision_m = prior_precision + eta_m.reciprocal()
         pull_m = (m_0 - prior.xi) / eta_m - mu_m
+        inverse_eta_rho = eta_rho.reciprocal()
+        fixed_gradient_rho = mu_rho - 0.5 * weight - rho_0 * inverse_eta_rho
+        half_prior_precision = 0.5 * prior_precision
+        minus_half_precision_0 = (-0.5 * precision_0).unsqueeze(-1)
         early_stop = self.tol > 0
         active = torch.ones(num_batch, dtype=torch.bool, device=device) if early_stop else None
         alpha = phi = statistics = None
         for sweep in range(self.num_sweeps):
             centred_means = m - prior.xi
-            bias = -0.5 * ((centred_means.square() + rho.exp()) * precision_0).sum(-1, keepdim=True)
+            second_moments = torch.addcmul(rho.exp(), centred_means, centred_means)
+            bias = torch.matmul(second_moments, minus_half_precision_0)  # (m, K, 1)
             weights = torch.cat([centred_means, bias], -1).transpose(1, 2)  # (m, d + 1, K)
             scores = torch.bmm(scaled, weights)
             if early_stop or sweep == self.num_sweeps - 1:
@@ -671,15 +678,19 @@ class GMMBlockSolver:
             new_statistics = torch.bmm(new_phi.transpose(1, 2), scaled)  # (m, K, d + 1)
             counts = new_statistics[..., dim:]
 
-            precision = counts * precision_0 + prior_precision + eta_m.reciprocal()
-            new_m = prior.xi + (new_statistics[..., :dim] + pull_m) / precision
+            data_precision = counts * precision_0
+            new_m = torch.addcdiv(
+                prior.xi, new_statistics[..., :dim] + pull_m, data_precision + fixed_precision_m
+            )
 
-            curvature = 0.5 * (counts * precision_0 + prior_precision)
+            curvature = torch.add(half_prior_precision, data_precision, alpha=0.5)
             new_rho = torch.minimum(rho, rho_cap)
             for _ in range(self.newton_steps):
                 scaled_rho = curvature * new_rho.exp()
-                gradient = scaled_rho - 0.5 * weight + mu_rho + (new_rho - rho_0) / eta_rho
-                new_rho = torch.minimum(new_rho - gradient / (scaled_rho + eta_rho.reciprocal()), rho_cap)
+                gradient = torch.addcmul(scaled_rho + fixed_gradient_rho, new_rho, inverse_eta_rho)
+                new_rho = torch.minimum(
+                    new_rho.addcdiv(gradient, scaled_rho + inverse_eta_rho, value=-1.0), rho_cap
+                )
 
             if not early_stop:
                 m, rho, alpha, phi, statistics = new_m, new_rho, new_alpha, new_phi, new_statistics
