@@ -104,7 +104,20 @@ def ensure_importable(wheels: str | None, site: str) -> None:
     except ImportError:
         if wheels is None:
             raise ImportError("pyro-ppl is not installed; pass --wheels DIR with its wheel files") from None
+    install_wheels(wheels, site)
+    import pyro  # noqa: F401
+
+
+def install_wheels(wheels: str, site: str) -> list[str]:
+    """Install the wheels in folder ``wheels`` whose distributions are not installed into
+    ``site`` (pip without index or dependency resolution; unpacked if pip fails) and
+    append ``site`` to ``sys.path``.
+
+    :returns: the file names of the wheels installed.
+    """
     files = sorted(Path(wheels).glob("*.whl"))
+    if not files:
+        raise FileNotFoundError(f"--wheels {wheels}: no .whl files there")
     missing = [f for f in files if not _installed(f.name.split("-")[0])]
     print(f"installing {[f.name for f in missing]} into {site}", flush=True)
     command = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--target", site]
@@ -115,9 +128,10 @@ def ensure_importable(wheels: str | None, site: str) -> None:
             with zipfile.ZipFile(f) as archive:
                 archive.extractall(site)
     # Appended: packages already installed (numpy, ...) keep precedence over the wheels.
-    sys.path.append(site)
+    if site not in sys.path:
+        sys.path.append(site)
     importlib.invalidate_caches()
-    import pyro  # noqa: F401
+    return [f.name for f in missing]
 
 
 def _installed(distribution: str) -> bool:

@@ -57,3 +57,45 @@ def test_gpu_benchmark_checks_its_arguments(benchmark, tmp_path):
     )
     with pytest.raises(ValueError, match="--points 41 must be a multiple of --blocks 2"):
         benchmark.main(args)
+
+
+def fake_wheel(folder, name):
+    """A minimal pure-Python wheel holding the module ``name``."""
+    import zipfile
+
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info"
+    files = {
+        f"{name}/__init__.py": "VALUE = 42\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{k},,\n" for k in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as archive:
+        for member, text in files.items():
+            archive.writestr(member, text)
+    return path
+
+
+@pytest.mark.parametrize("pip_works", [True, False], ids=["pip", "unpack"])
+def test_install_wheels_installs_what_is_missing(benchmark, tmp_path, monkeypatch, pip_works):
+    import subprocess
+    import sys
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    name = f"pdvi_fake_{'pip' if pip_works else 'unpack'}"
+    fake_wheel(wheels, name)
+    fake_wheel(wheels, "torch")  # installed already: skipped
+    if not pip_works:
+        monkeypatch.setattr(
+            benchmark.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "no pip")
+        )
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    site = tmp_path / "site"
+    installed = benchmark.install_wheels(str(wheels), str(site))
+    assert installed == [f"{name}-1.0-py3-none-any.whl"]
+    assert sys.path[-1] == str(site)
+    module = __import__(name)
+    assert module.VALUE == 42
+    assert not (site / "torch").exists()
