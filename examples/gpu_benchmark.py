@@ -30,11 +30,18 @@ Results are printed as they come and appended to ``gpu_benchmark.csv`` under ``-
 (a failing section is reported in the table and the CSV, and the rest still runs).
 
 On a machine whose Python has PyTorch but not Pyro and no network, fetch the wheels
-beforehand (``pip download pyro-ppl==1.9.2 -d wheels`` on a machine with network, for
-the target's Python version and platform) and pass ``--wheels wheels``: the wheels of
-the packages that are not installed are then installed with
+beforehand on a machine with network, for the target's Python version and platform and
+without torch (``--no-deps``: pip would otherwise fetch torch and its CUDA libraries)::
+
+    pip download --no-deps --only-binary=:all: --python-version 3.11 \
+        --platform manylinux2014_x86_64 -d wheels \
+        pyro-ppl==1.9.2 pyro-api opt-einsum tqdm numpy pytest iniconfig pluggy packaging
+
+(pytest and its dependencies only for ``tests/test_cuda.py``), and pass ``--wheels wheels``:
+the wheels of the distributions that are not installed are installed with
 ``python -m pip install --no-index --no-deps --target /tmp/site`` (or unpacked, without
-pip) and put on ``sys.path``.
+pip) and ``/tmp/site`` is appended to ``sys.path``. The tests then run with
+``PYTHONPATH=/tmp/site python -m pytest tests/test_cuda.py``.
 
 Example::
 
