@@ -488,7 +488,9 @@ class GMMBlockSolver:
     (``collapsed=False``). The solve is deterministic, so the paper's global update
     has no Monte Carlo noise to pass on, and on cluster-sorted blocks it reached the
     CAVI optimum in 7 epochs where the default consensus rule had not in 15
-    (``docs/benchmarks.md``, section 1b).
+    (``docs/benchmarks.md``, section 1b). A step over several equal-size blocks goes
+    through :meth:`solve_batch`, the same sweeps vectorized over the blocks, which is
+    what makes the closed-form path fast on a GPU (``docs/benchmarks.md``, section 5).
 
     :param data: the full data ``(N, d)``; the block's rows are taken by ``problem.indices``.
     :param prior: the hyperparameters.
