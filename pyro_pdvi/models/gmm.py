@@ -45,9 +45,8 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro.ops.indexing import Vindex
-from scipy.optimize import linear_sum_assignment
 
-from ..infer.primal import BlockProblem, BlockSolution
+from ..infer.primal import BlockBatch, BlockBatchSolution, BlockProblem, BlockSolution
 
 LOG_2PI = math.log(2.0 * math.pi)
 
@@ -489,7 +488,9 @@ class GMMBlockSolver:
     (``collapsed=False``). The solve is deterministic, so the paper's global update
     has no Monte Carlo noise to pass on, and on cluster-sorted blocks it reached the
     CAVI optimum in 7 epochs where the default consensus rule had not in 15
-    (``docs/benchmarks.md``, section 1b).
+    (``docs/benchmarks.md``, section 1b). A step over several equal-size blocks goes
+    through :meth:`solve_batch`, the same sweeps vectorized over the blocks, which is
+    what makes the closed-form path fast on a GPU (``docs/benchmarks.md``, section 5).
 
     :param data: the full data ``(N, d)``; the block's rows are taken by ``problem.indices``.
     :param prior: the hyperparameters.
@@ -525,8 +526,9 @@ class GMMBlockSolver:
         self.newton_steps = newton_steps
         self.site_names = tuple(site_names)
         self.tol = tol
+        self._priors: dict[tuple[torch.dtype, torch.device], GMMPrior] = {}
 
-    def _check_sites(self, problem: BlockProblem) -> None:
+    def _check_sites(self, problem: BlockProblem | BlockBatch) -> None:
         means, log_variances, logits = self.site_names
         for name, where in (
             (means, problem.consensus),
@@ -535,13 +537,26 @@ class GMMBlockSolver:
         ):
             if name not in where:
                 kind = "local" if where is problem.local else "global"
-                raise ValueError(
-                    f'GMMBlockSolver expects a {kind} param site "{name}", but block {problem.block}\'s '
-                    f"problem has global sites {sorted(problem.consensus)} and local sites "
-                    f"{sorted(problem.local)}. Pass site_names= matching the guide's param names; the "
-                    "logits must be created inside the data plate with event_dim=1 (a collapsed guide "
-                    "without them has a different objective, which this solver does not minimise)."
+                which = (
+                    f"block {problem.block}'s problem"
+                    if isinstance(problem, BlockProblem)
+                    else f"the batch of blocks {problem.blocks.tolist()}"
                 )
+                raise ValueError(
+                    f'GMMBlockSolver expects a {kind} param site "{name}", but {which} has global '
+                    f"sites {sorted(problem.consensus)} and local sites {sorted(problem.local)}. Pass "
+                    "site_names= matching the guide's param names; the logits must be created inside "
+                    "the data plate with event_dim=1 (a collapsed guide without them has a different "
+                    "objective, which this solver does not minimise)."
+                )
+
+    def _prior_on(self, dtype: torch.dtype, device: torch.device) -> GMMPrior:
+        """The prior on ``device``, cached: a copy from host memory each solve would make
+        the host wait for the device (a pageable host-to-device copy synchronises)."""
+        key = (dtype, device)
+        if key not in self._priors:
+            self._priors[key] = self.prior.to(dtype, device)
+        return self._priors[key]
 
     @torch.no_grad()
     def __call__(self, problem: BlockProblem) -> BlockSolution:
@@ -556,7 +571,7 @@ class GMMBlockSolver:
         m_0 = problem.consensus[means]
         rho_0 = problem.consensus[log_variances]
         dtype, device = m_0.dtype, m_0.device
-        prior = self.prior.to(dtype, device)
+        prior = self._prior_on(dtype, device)
         data = self.data.index_select(0, problem.indices.to(self.data.device)).to(device, dtype)
         weight = data.shape[0] / problem.num_data
         mu_m, mu_rho = problem.dual[means], problem.dual[log_variances]
@@ -592,6 +607,145 @@ class GMMBlockSolver:
                 break
         loss = block_negative_elbo(data, prior, m, rho, alpha, problem.num_data)
         return BlockSolution(globals={means: m, log_variances: rho}, local={logits: alpha}, loss=loss)
+
+    @torch.no_grad()
+    def solve_batch(self, batch: BlockBatch) -> BlockBatchSolution:
+        """Solve the augmented Lagrangians of ``m`` equal-size blocks at once: the sweeps of
+        :meth:`__call__`, vectorized over the blocks (no Python loop over them).
+
+        Each sweep is two batched matrix products over the data and one softmax: the data
+        are scaled once, ``x~_i = [(x_i - xi) / sigma0^2, 1]``, so that
+
+        * ``x~_i . [m_k - xi, -1/2 sum_j ((m_kj - xi_j)^2 + exp(rho_kj)) / sigma0_j^2]`` is
+          ``E_q[log p(x_i | c_k)]`` up to a term constant in ``k``, which the softmax drops;
+        * ``phi^T x~`` holds ``sum_i phi_ik (x_i - xi) / sigma0^2`` and the counts ``N_k``.
+
+        ``f_b`` is then assembled from these statistics and ``sum_i ||x_i - xi||^2 / sigma0^2``
+        (taken once), exactly as :func:`block_negative_elbo` gives it. With ``tol = 0`` nothing
+        is read back to the host, so on a GPU the sweeps queue without waiting; with
+        ``tol > 0`` each block stops on its own (later sweeps leave it unchanged), as in the
+        loop over blocks, at the cost of one host synchronisation per sweep.
+
+        :param batch: the stacked subproblems from the PDVI engine.
+        :returns: ``lambda_b = (m, rho)`` of shape ``(m, K, d)``, the new logits
+            ``(m, s, K)`` and ``f_b`` of shape ``(m,)``.
+        :rtype: BlockBatchSolution
+        """
+        self._check_sites(batch)
+        means, log_variances, logits = self.site_names
+        m_0 = batch.consensus[means]
+        rho_0 = batch.consensus[log_variances]
+        dtype, device = m_0.dtype, m_0.device
+        prior = self._prior_on(dtype, device)
+        num_batch, size = batch.indices.shape
+        num_components, dim = m_0.shape
+        weight = size / batch.num_data
+        mu_m, mu_rho = batch.dual[means], batch.dual[log_variances]
+        eta_m, eta_rho = batch.step_sizes[means], batch.step_sizes[log_variances]
+
+        data = self.data.index_select(0, batch.indices.reshape(-1).to(self.data.device)).to(device, dtype)
+        centred = data - prior.xi
+        scaled = torch.cat([centred / prior.sigma0_sq, centred.new_ones(num_batch * size, 1)], -1)
+        scaled = scaled.view(num_batch, size, dim + 1)
+        squares = (centred * scaled.view(-1, dim + 1)[:, :dim]).view(num_batch, size * dim).sum(1)
+        del data, centred
+
+        precision_0, precision_1 = prior.sigma0_sq.reciprocal(), prior.sigma1_sq.reciprocal()
+        m = m_0.expand(num_batch, -1, -1).clone()
+        rho = rho_0.expand(num_batch, -1, -1).clone()
+        rho_cap = rho_0 - eta_rho * (mu_rho - 0.5 * weight)
+        # Everything that does not change between sweeps, so that a sweep is few kernels.
+        prior_precision = weight * precision_1
+        fixed_precision_m = prior_precision + eta_m.reciprocal()
+        pull_m = (m_0 - prior.xi) / eta_m - mu_m
+        inverse_eta_rho = eta_rho.reciprocal()
+        fixed_gradient_rho = mu_rho - 0.5 * weight - rho_0 * inverse_eta_rho
+        half_prior_precision = 0.5 * prior_precision
+        minus_half_precision_0 = (-0.5 * precision_0).unsqueeze(-1)
+        early_stop = self.tol > 0
+        active = torch.ones(num_batch, dtype=torch.bool, device=device) if early_stop else None
+        alpha = phi = statistics = None
+        for sweep in range(self.num_sweeps):
+            centred_means = m - prior.xi
+            second_moments = torch.addcmul(rho.exp(), centred_means, centred_means)
+            bias = torch.matmul(second_moments, minus_half_precision_0)  # (m, K, 1)
+            weights = torch.cat([centred_means, bias], -1).transpose(1, 2)  # (m, d + 1, K)
+            scores = torch.bmm(scaled, weights)
+            if early_stop or sweep == self.num_sweeps - 1:
+                new_alpha = torch.log_softmax(scores, -1)
+                new_phi = new_alpha.exp()
+            else:
+                new_alpha, new_phi = None, torch.softmax(scores, -1)
+            del scores
+            new_statistics = torch.bmm(new_phi.transpose(1, 2), scaled)  # (m, K, d + 1)
+            counts = new_statistics[..., dim:]
+
+            data_precision = counts * precision_0
+            new_m = torch.addcdiv(
+                prior.xi, new_statistics[..., :dim] + pull_m, data_precision + fixed_precision_m
+            )
+
+            curvature = torch.add(half_prior_precision, data_precision, alpha=0.5)
+            new_rho = torch.minimum(rho, rho_cap)
+            for _ in range(self.newton_steps):
+                scaled_rho = curvature * new_rho.exp()
+                gradient = torch.addcmul(scaled_rho + fixed_gradient_rho, new_rho, inverse_eta_rho)
+                new_rho = torch.minimum(
+                    new_rho.addcdiv(gradient, scaled_rho + inverse_eta_rho, value=-1.0), rho_cap
+                )
+
+            if not early_stop:
+                m, rho, alpha, phi, statistics = new_m, new_rho, new_alpha, new_phi, new_statistics
+                continue
+            # A block that has converged keeps its values, as the loop over blocks leaves it.
+            change = torch.maximum(
+                (new_m - m).abs().flatten(1).amax(1), (new_rho - rho).abs().flatten(1).amax(1)
+            )
+            keep = active.view(-1, 1, 1)
+            m, rho = torch.where(keep, new_m, m), torch.where(keep, new_rho, rho)
+            alpha = new_alpha if alpha is None else torch.where(keep, new_alpha, alpha)
+            phi = new_phi if phi is None else torch.where(keep, new_phi, phi)
+            statistics = (
+                new_statistics if statistics is None else torch.where(keep, new_statistics, statistics)
+            )
+            active = active & (change > self.tol)
+            if not bool(active.any()):  # the one host synchronisation of an early stop
+                break
+
+        loss = self._batch_loss(prior, m, rho, alpha, phi, statistics, squares, size, batch.num_data)
+        return BlockBatchSolution(globals={means: m, log_variances: rho}, local={logits: alpha}, loss=loss)
+
+    @staticmethod
+    def _batch_loss(
+        prior: GMMPrior,
+        m: torch.Tensor,
+        rho: torch.Tensor,
+        alpha: torch.Tensor,
+        phi: torch.Tensor,
+        statistics: torch.Tensor,
+        squares: torch.Tensor,
+        size: int,
+        num_data: int,
+    ) -> torch.Tensor:
+        """:func:`block_negative_elbo` of every block of a batch, shape ``(m,)``, from the
+        sufficient statistics ``phi^T x~`` of :meth:`solve_batch` (``sum_k phi_ik = 1``)::
+
+            sum_ik phi_ik (alpha_ik + log K) + 1/2 [ sum_i ||x_i - xi||^2 / sigma0^2
+                - 2 sum_k S_k . (m_k - xi) + sum_k N_k sum_j ((m_kj - xi_j)^2 + exp(rho_kj)) / sigma0_j^2
+                + |b| sum_j log(2 pi sigma0_j^2) ] + |b|/N KL(q(c) || p(c))
+        """
+        dim = m.shape[-1]
+        centred_means = m - prior.xi
+        sums, counts = statistics[..., :dim], statistics[..., dim]
+        second_moments = ((centred_means.square() + rho.exp()) / prior.sigma0_sq).sum(-1)
+        quadratic = (
+            squares - 2.0 * (sums * centred_means).flatten(1).sum(1) + (counts * second_moments).sum(1)
+        )
+        log_normaliser = size * (LOG_2PI + prior.sigma0_sq.log()).sum()
+        entropy = (phi * alpha).flatten(1).sum(1) + size * math.log(prior.num_components)
+        ratio = (centred_means.square() + rho.exp()) / prior.sigma1_sq
+        divergence = 0.5 * (prior.sigma1_sq.log() - rho + ratio - 1.0).flatten(1).sum(1)
+        return entropy + 0.5 * (quadratic + log_normaliser) + (size / num_data) * divergence
 
     def augmented_lagrangian(
         self, problem: BlockProblem, m: torch.Tensor, rho: torch.Tensor, alpha: torch.Tensor
@@ -765,6 +919,9 @@ def wasserstein_gmm(
     cost = gaussian_w2_squared(
         true_means, _as_tensor(true_cov_diag), fitted_means, _as_tensor(fitted_cov_diag)
     )
+    # Imported here so that the model and solvers need no scipy (e.g. on a bare GPU machine).
+    from scipy.optimize import linear_sum_assignment
+
     rows, cols = linear_sum_assignment(cost.numpy())
     return math.sqrt(float(cost.numpy()[rows, cols].mean()))
 

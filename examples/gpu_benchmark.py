@@ -1,0 +1,553 @@
+"""Throughput of PDVI's closed-form and generic paths on one device (a GPU, or the CPU),
+against full-batch CAVI, Pyro's SVI and the memory-bandwidth floor.
+
+The model is the Bayesian GMM of ``pyro_pdvi.models.gmm`` (N points in d dimensions,
+K components, fixed equal-size blocks). Every timing is the median of ``--repeats`` runs
+after a warm-up run, with ``torch.cuda.synchronize()`` before and after each run on a
+GPU; float32 on a GPU, float64 on the CPU unless ``--dtype`` says otherwise. Sections:
+
+a. ``cavi``: one full CAVI pass (responsibilities, then the conjugate update of q(c))
+   over all N points, and ten passes.
+b. ``closed-form``: one PD-VI epoch (every block once) with :class:`GMMBlockSolver`
+   and ``--sweeps`` coordinate-descent sweeps per block,
+
+   * through ``PDVI.step`` with m blocks per step (``--blocks-per-step``; "all" = one
+     step over every block, which the engine solves in one ``solve_batch`` call);
+   * through direct solver calls: the loop of ``solver(problem)`` over the blocks
+     (``loop``), and ``solver.solve_batch`` over m blocks at a time (``batched``);
+   * ``engine overhead``: per step, the time of ``PDVI.step`` minus the solver's time
+     inside it, and the engine's parts (tracing the model and guide, finding the
+     blocks of the subsample, stacking the batch, the dual/global update).
+c. ``generic``: one ``PDVI.step`` on one block through Pyro's ``TraceEnum_ELBO`` with
+   the L-BFGS primal solve (``--inner-steps`` iterations).
+d. ``svi``: one ``pyro.infer.SVI.step`` with Adam on one block (the same model, guide
+   and ELBO).
+e. ``floor``: the bytes an epoch must move (each sweep reads every block's data once;
+   the logits are read and written once), divided by the device's copy bandwidth
+   measured here with a large tensor copy.
+
+Results are printed as they come and appended to ``gpu_benchmark.csv`` under ``--out``
+(a failing section is reported in the table and the CSV, and the rest still runs).
+
+On a machine whose Python has PyTorch but not Pyro and no network, fetch the wheels
+beforehand on a machine with network, for the target's Python version and platform and
+without torch (``--no-deps``: pip would otherwise fetch torch and its CUDA libraries)::
+
+    pip download --no-deps --only-binary=:all: --python-version 3.11 \
+        --platform manylinux2014_x86_64 -d wheels \
+        pyro-ppl==1.9.2 pyro-api opt-einsum tqdm numpy pytest iniconfig pluggy packaging
+
+(pytest and its dependencies only for ``tests/test_cuda.py``), and pass ``--wheels wheels``:
+the wheels of the distributions that are not installed are installed with
+``python -m pip install --no-index --no-deps --target /tmp/site`` (or unpacked, without
+pip) and ``/tmp/site`` is appended to ``sys.path``. The tests then run with
+``PYTHONPATH=/tmp/site python -m pytest tests/test_cuda.py``.
+
+Example::
+
+    python examples/gpu_benchmark.py --device cuda --points 10000000 --blocks 100 --out results
+    python examples/gpu_benchmark.py --device cpu --points 1000000 --blocks 100 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import importlib.metadata
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIELDS = ["section", "method", "blocks_per_step", "points", "ms", "points_per_s", "note"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--wheels", default=None, help="folder of wheel files to install Pyro from")
+    parser.add_argument("--site", default="/tmp/site", help="where --wheels installs to")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="float32 or float64 (default: float32 on a GPU)")
+    parser.add_argument("--points", type=int, default=10_000_000, help="N, data points")
+    parser.add_argument("--blocks", type=int, default=100, help="number of equal-size blocks")
+    parser.add_argument("--dim", type=int, default=10, help="d")
+    parser.add_argument("--components", type=int, default=5, help="K")
+    parser.add_argument("--sweeps", type=int, default=10, help="coordinate-descent sweeps per block solve")
+    parser.add_argument(
+        "--blocks-per-step", default="1,10,all", help="m values for the closed-form epoch (comma list)"
+    )
+    parser.add_argument("--inner-steps", type=int, default=10, help="L-BFGS iterations of the generic step")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
+    parser.add_argument("--budget", type=float, default=200.0, help="seconds; later sections are skipped")
+    parser.add_argument("--sections", default="cavi,closed-form,engine,generic,svi,floor")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results", help="folder for gpu_benchmark.csv")
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------ getting Pyro
+
+
+def ensure_importable(wheels: str | None, site: str) -> None:
+    """Make ``pyro`` and ``pyro_pdvi`` importable: the repository root on ``sys.path``,
+    and Pyro from the wheel files in ``wheels`` when it is not installed."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    try:
+        import pyro  # noqa: F401
+
+        return
+    except ImportError:
+        if wheels is None:
+            raise ImportError("pyro-ppl is not installed; pass --wheels DIR with its wheel files") from None
+    install_wheels(wheels, site)
+    import pyro  # noqa: F401
+
+
+def install_wheels(wheels: str, site: str) -> list[str]:
+    """Install the wheels in folder ``wheels`` whose distributions are not installed into
+    ``site`` (pip without index or dependency resolution; unpacked if pip fails) and
+    append ``site`` to ``sys.path``.
+
+    :returns: the file names of the wheels installed.
+    """
+    files = sorted(Path(wheels).glob("*.whl"))
+    if not files:
+        raise FileNotFoundError(f"--wheels {wheels}: no .whl files there")
+    missing = [f for f in files if not _installed(f.name.split("-")[0])]
+    print(f"installing {[f.name for f in missing]} into {site}", flush=True)
+    command = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--target", site]
+    result = subprocess.run(command + [str(f) for f in missing], capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"pip failed ({result.stderr.strip()[-300:]}); unpacking the wheels instead", flush=True)
+        for f in missing:
+            with zipfile.ZipFile(f) as archive:
+                archive.extractall(site)
+    # Appended: packages already installed (numpy, ...) keep precedence over the wheels.
+    if site not in sys.path:
+        sys.path.append(site)
+    importlib.invalidate_caches()
+    return [f.name for f in missing]
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.version(distribution.replace("_", "-"))
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+# ------------------------------------------------------------------ timing
+
+
+class Bench:
+    """Timing, the result table and the CSV, written row by row."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.args, self.device = args, device
+        self.rows: list[dict] = []
+        self.start = time.perf_counter()
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        self.csv_path = out / "gpu_benchmark.csv"
+        with open(self.csv_path, "w", newline="") as f:
+            csv.DictWriter(f, FIELDS).writeheader()
+        print(f"{'section':12s} {'method':44s} {'m':>5s} {'points':>10s} {'ms':>11s} {'points/s':>10s}  note")
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def time(self, fn: Callable[[], object], repeats: int | None = None) -> float:
+        """Median seconds of ``fn()`` after one warm-up call; fewer repeats for slow calls."""
+        repeats = self.args.repeats if repeats is None else repeats
+        self.sync()
+        start = time.perf_counter()
+        fn()
+        self.sync()
+        first = time.perf_counter() - start
+        if first > 2.0:  # slow: keep within the time budget
+            repeats = min(repeats, 2)
+        times = []
+        for _ in range(repeats):
+            self.sync()
+            start = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    def add(self, section: str, method: str, m, points: int, seconds: float | None, note: str = "") -> None:
+        row = {
+            "section": section,
+            "method": method,
+            "blocks_per_step": m,
+            "points": points,
+            "ms": None if seconds is None else round(seconds * 1e3, 4),
+            "points_per_s": None if not seconds else round(points / seconds),
+            "note": note,
+        }
+        self.rows.append(row)
+        with open(self.csv_path, "a", newline="") as f:
+            csv.DictWriter(f, FIELDS).writerow(row)
+        ms = "" if row["ms"] is None else f"{row['ms']:11.3f}"
+        rate = "" if row["points_per_s"] is None else f"{row['points_per_s']:10.3g}"
+        print(f"{section:12s} {method:44s} {m!s:>5s} {points:10d} {ms:>11s} {rate:>10s}  {note}", flush=True)
+
+    def section(self, name: str, body: Callable[[], None]) -> None:
+        if name not in self.args.sections.split(","):
+            return
+        if self.elapsed() > self.args.budget:
+            self.add(name, "skipped", "", 0, None, f"time budget {self.args.budget:.0f} s used up")
+            return
+        try:
+            body()
+        except Exception as error:  # report and go on with the next section
+            traceback.print_exc()
+            self.add(name, "FAILED", "", 0, None, f"{type(error).__name__}: {str(error)[:200]}")
+        finally:
+            import pyro
+
+            pyro.clear_param_store()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------ the sections
+
+
+class Setup:
+    """Data, prior, blocks and the Pyro model on the device."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+        from pyro_pdvi.models.gmm import GMMModel, make_biased_gmm
+
+        if args.points % args.blocks:
+            raise ValueError(f"--points {args.points} must be a multiple of --blocks {args.blocks}")
+        self.block_size = args.points // args.blocks
+        synthetic = make_biased_gmm(
+            args.points, args.components, args.dim, self.block_size, 0.9, seed=args.seed, dtype=dtype
+        )
+        self.data = synthetic.data.to(device)
+        self.prior = synthetic.prior.to(dtype, device)
+        self.blocks = [b.to(device) for b in synthetic.blocks]
+        self.gmm = GMMModel(self.data, self.prior, seed=args.seed)
+        self.num_data = args.points
+        self.device = device
+
+
+def cavi_pass(data, prior, m, rho):
+    """One CAVI pass: responsibilities, then the conjugate update of q(c) given them."""
+    from pyro_pdvi.models.gmm import expected_log_likelihood
+
+    phi = torch.softmax(expected_log_likelihood(data, prior, m, rho), -1)
+    precision = phi.sum(0)[:, None] / prior.sigma0_sq + prior.sigma1_sq.reciprocal()
+    m = prior.xi + (phi.T @ (data - prior.xi)) / prior.sigma0_sq / precision
+    return m, -precision.log()
+
+
+def run_cavi(bench: Bench, setup: Setup) -> None:
+    m, rho = setup.gmm.init_means, setup.gmm.init_log_variances
+
+    def passes(count):
+        def run():
+            state = (m, rho)
+            for _ in range(count):
+                state = cavi_pass(setup.data, setup.prior, *state)
+
+        return run
+
+    bench.add("cavi", "one full CAVI pass", "", setup.num_data, bench.time(passes(1)))
+    seconds = bench.time(passes(10))
+    bench.add("cavi", "ten CAVI passes", "", setup.num_data, seconds, "the target: PD-VI epoch <= 3x this")
+
+
+def make_pdvi(setup: Setup, local_solver=None, inner_steps: int = 10):
+    import pyro
+    from pyro.infer import TraceEnum_ELBO
+
+    from pyro_pdvi import PDVI
+
+    pyro.clear_param_store()
+    return PDVI(
+        setup.gmm.model,
+        setup.gmm.guide,
+        pyro.optim.Adam({"lr": 0.01}),
+        TraceEnum_ELBO(max_plate_nesting=1),
+        blocks=setup.blocks,
+        eta=1e-2,
+        groups=[{"sites": ["rho"], "eta": 1e-1}],
+        local_solver=local_solver,
+        global_update="paper",
+        inner_steps=inner_steps,
+    )
+
+
+def step_subsamples(setup: Setup, per_step: int) -> list[torch.Tensor]:
+    """The subsamples of one epoch with ``per_step`` blocks per step (on the device)."""
+    n = len(setup.blocks)
+    return [torch.cat(setup.blocks[start : start + per_step]) for start in range(0, n, per_step)]
+
+
+def blocks_per_step_values(args: argparse.Namespace) -> list[int]:
+    values = []
+    for item in args.blocks_per_step.split(","):
+        value = args.blocks if item.strip() == "all" else int(item)
+        if args.blocks % value:
+            raise ValueError(f"--blocks-per-step {value} must divide --blocks {args.blocks}")
+        values.append(value)
+    return values
+
+
+def run_closed_form(bench: Bench, setup: Setup) -> None:
+    from pyro_pdvi import BlockBatch, BlockProblem
+    from pyro_pdvi.models.gmm import GMMBlockSolver
+
+    args, n = bench.args, len(setup.blocks)
+    solver = GMMBlockSolver(setup.data, setup.prior, num_sweeps=args.sweeps)
+    for per_step in blocks_per_step_values(args):
+        pdvi = make_pdvi(setup, solver)
+        subsamples = step_subsamples(setup, per_step)
+
+        def epoch(pdvi=pdvi, subsamples=subsamples):
+            for subsample in subsamples:
+                pdvi.step(subsample)
+
+        path = "loop of solver calls" if per_step == 1 else "solve_batch"
+        bench.add(
+            "closed-form", f"PD-VI epoch via PDVI.step ({path})", per_step, setup.num_data, bench.time(epoch)
+        )
+
+    # Direct solver calls: the same subproblems without the engine around them.
+    consensus = {"m": setup.gmm.init_means, "rho": setup.gmm.init_log_variances}
+    step_sizes = {"m": torch.full_like(consensus["m"], 1e-2), "rho": torch.full_like(consensus["rho"], 1e-1)}
+    logits = setup.gmm.init_logits
+
+    def problem(b):
+        return BlockProblem(
+            block=b,
+            indices=setup.blocks[b],
+            consensus=consensus,
+            dual={k: torch.zeros_like(v) for k, v in consensus.items()},
+            step_sizes=step_sizes,
+            local={"alpha": logits[setup.blocks[b]]},
+            num_blocks=n,
+            num_data=setup.num_data,
+        )
+
+    problems = [problem(b) for b in range(n)]
+
+    def loop():
+        for p in problems:
+            solver(p)
+
+    bench.add(
+        "closed-form", "PD-VI epoch via direct solver(problem) loop", 1, setup.num_data, bench.time(loop)
+    )
+
+    for per_step in blocks_per_step_values(args):
+        if per_step == 1:
+            continue
+        batches = []
+        for start in range(0, n, per_step):
+            ids = list(range(start, start + per_step))
+            indices = torch.stack([setup.blocks[b] for b in ids])
+            batches.append(
+                BlockBatch(
+                    blocks=torch.tensor(ids),
+                    indices=indices,
+                    consensus=consensus,
+                    dual={
+                        k: torch.zeros(per_step, *v.shape, dtype=v.dtype, device=v.device)
+                        for k, v in consensus.items()
+                    },
+                    step_sizes=step_sizes,
+                    local={"alpha": logits[indices]},
+                    num_blocks=n,
+                    num_data=setup.num_data,
+                )
+            )
+
+        def batched(batches=batches):
+            for batch in batches:
+                solver.solve_batch(batch)
+
+        seconds = bench.time(batched)
+        bench.add(
+            "closed-form", "PD-VI epoch via direct solver.solve_batch", per_step, setup.num_data, seconds
+        )
+        del batches
+
+
+class Timed:
+    """Wraps a callable and adds up its (synchronised) time."""
+
+    def __init__(self, bench: Bench, fn: Callable) -> None:
+        self.bench, self.fn, self.seconds, self.calls = bench, fn, 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        self.bench.sync()
+        start = time.perf_counter()
+        result = self.fn(*args, **kwargs)
+        self.bench.sync()
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return result
+
+
+def run_engine(bench: Bench, setup: Setup) -> None:
+    """Where a closed-form PDVI step spends its time outside the solver."""
+    from pyro_pdvi.models.gmm import GMMBlockSolver
+
+    args = bench.args
+    for per_step in sorted({1, args.blocks}):
+        solver = GMMBlockSolver(setup.data, setup.prior, num_sweeps=args.sweeps)
+        pdvi = make_pdvi(setup, solver)
+        subsamples = step_subsamples(setup, per_step)
+        pdvi.step(subsamples[0])  # setup happens here
+        parts = {
+            "trace model+guide": ("_trace", pdvi),
+            "find blocks (blocks_in)": ("blocks_in", pdvi.partition),
+            "stack batch (_block_batch)": ("_block_batch", pdvi),
+            "dual+global update, param store (_commit)": ("_commit", pdvi),
+        }
+        timers = {}
+        for label, (attribute, owner) in parts.items():
+            timers[label] = Timed(bench, getattr(owner, attribute))
+            setattr(owner, attribute, timers[label])
+        solve = Timed(bench, solver.solve_batch)
+        solver.solve_batch = solve
+        call = Timed(bench, solver.__call__)
+        pdvi.local_solver = _CallOnly(call, solve)
+        steps = subsamples[: max(1, min(len(subsamples), 20))]
+        bench.sync()
+        start = time.perf_counter()
+        for subsample in steps:
+            pdvi.step(subsample)
+        bench.sync()
+        total = time.perf_counter() - start
+        count = len(steps)
+        points = per_step * setup.block_size
+        inside = (solve.seconds + call.seconds) / count
+        bench.add("engine", "PDVI.step, whole step", per_step, points, total / count)
+        bench.add("engine", "  solver inside the step", per_step, points, inside)
+        bench.add("engine", "  engine overhead (step - solver)", per_step, points, total / count - inside)
+        for label, timer in timers.items():
+            if timer.calls:
+                bench.add("engine", f"    {label}", per_step, points, timer.seconds / count)
+
+
+class _CallOnly:
+    """A local solver with timed ``__call__`` and ``solve_batch``."""
+
+    def __init__(self, call: Timed, solve_batch: Timed) -> None:
+        self._call, self.solve_batch = call, solve_batch
+
+    def __call__(self, problem):
+        return self._call(problem)
+
+
+def run_generic(bench: Bench, setup: Setup) -> None:
+    pdvi = make_pdvi(setup, None, inner_steps=bench.args.inner_steps)
+    blocks = setup.blocks
+    counter = iter(range(10**9))
+
+    def step():
+        pdvi.step(blocks[next(counter) % len(blocks)])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-particle warning: this is a timing
+        seconds = bench.time(step, repeats=min(bench.args.repeats, 3))
+    note = f"L-BFGS, {bench.args.inner_steps} iterations, TraceEnum_ELBO"
+    bench.add("generic", "PDVI.step, generic path, one block", 1, setup.block_size, seconds, note)
+
+
+def run_svi(bench: Bench, setup: Setup) -> None:
+    import pyro
+    from pyro.infer import SVI, TraceEnum_ELBO
+
+    pyro.clear_param_store()
+    svi = SVI(
+        setup.gmm.model, setup.gmm.guide, pyro.optim.Adam({"lr": 0.01}), TraceEnum_ELBO(max_plate_nesting=1)
+    )
+    blocks = setup.blocks
+    counter = iter(range(10**9))
+
+    def step():
+        svi.step(blocks[next(counter) % len(blocks)])
+
+    seconds = bench.time(step, repeats=max(bench.args.repeats, 10))
+    bench.add("svi", "pyro SVI.step (Adam), one block", 1, setup.block_size, seconds, "TraceEnum_ELBO")
+    small = blocks[0][:100]
+    seconds = bench.time(lambda: svi.step(small), repeats=max(bench.args.repeats, 10))
+    bench.add("svi", "pyro SVI.step (Adam), 100 points", 1, 100, seconds, "TraceEnum_ELBO")
+
+
+def run_floor(bench: Bench, setup: Setup) -> None:
+    size = 1 << 28 if setup.device.type == "cuda" else 1 << 25  # bytes per buffer
+    source = torch.empty(size // 4, dtype=torch.float32, device=setup.device).fill_(1.0)
+    target = torch.empty_like(source)
+    seconds = bench.time(lambda: target.copy_(source), repeats=max(bench.args.repeats, 10))
+    bandwidth = 2 * size / seconds  # a copy reads and writes
+    element = setup.data.element_size()
+    data_bytes = setup.num_data * setup.prior.dim * element
+    logits_bytes = setup.num_data * setup.prior.num_components * element
+    bench.add("floor", "device copy bandwidth", "", 0, None, f"{bandwidth / 1e9:.1f} GB/s (read + write)")
+    bench.add("floor", "floor of one CAVI pass (data read once)", "", setup.num_data, data_bytes / bandwidth)
+    epoch_bytes = bench.args.sweeps * data_bytes + 2 * logits_bytes
+    note = f"{bench.args.sweeps} reads of the data, logits read and written once"
+    bench.add("floor", "floor of one PD-VI epoch", "", setup.num_data, epoch_bytes / bandwidth, note)
+
+
+def main(args: argparse.Namespace) -> list[dict]:
+    ensure_importable(args.wheels, args.site)
+    import pyro
+
+    device = torch.device(args.device)
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.float32 if device.type == "cuda" else torch.float64)
+    )
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    pyro.set_rng_seed(args.seed)
+    torch.set_default_dtype(dtype)
+    bench = Bench(args, device)
+    print(
+        f"# torch {torch.__version__}, pyro {pyro.__version__}, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+        + f", {dtype}, threads {torch.get_num_threads()}, N={args.points} d={args.dim} K={args.components} "
+        f"blocks={args.blocks} sweeps={args.sweeps}",
+        flush=True,
+    )
+    start = time.perf_counter()
+    setup = Setup(args, device, dtype)
+    print(f"# data ready in {time.perf_counter() - start:.1f} s", flush=True)
+    bench.section("cavi", lambda: run_cavi(bench, setup))
+    bench.section("closed-form", lambda: run_closed_form(bench, setup))
+    bench.section("engine", lambda: run_engine(bench, setup))
+    bench.section("generic", lambda: run_generic(bench, setup))
+    bench.section("svi", lambda: run_svi(bench, setup))
+    bench.section("floor", lambda: run_floor(bench, setup))
+    print(f"# done in {bench.elapsed():.1f} s; table in {bench.csv_path}", flush=True)
+    return bench.rows
+
+
+if __name__ == "__main__":
+    main(parse_args())

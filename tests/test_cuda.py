@@ -1,0 +1,125 @@
+"""On a GPU: the batched closed-form solver gives the CPU result, queues without host
+synchronisation, and a PDVI step keeps all of its state on the device. Skipped without CUDA."""
+
+import pyro
+import pytest
+import torch
+from pyro.infer import TraceEnum_ELBO
+
+from pyro_pdvi import PDVI, BlockBatch
+from pyro_pdvi.models.gmm import GMMBlockSolver, GMMModel, make_biased_gmm
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA = torch.device("cuda")
+
+
+def to_cuda(value):
+    if isinstance(value, dict):
+        return {k: to_cuda(v) for k, v in value.items()}
+    return value.to(CUDA)
+
+
+def block_batch(data, block_ids, seed):
+    generator = torch.Generator().manual_seed(seed)
+    num_components, dim = data.centers.shape
+    indices = torch.stack([data.blocks[b] for b in block_ids])
+    count = len(block_ids)
+    return BlockBatch(
+        blocks=torch.tensor(block_ids),
+        indices=indices,
+        consensus={
+            "m": 2.0 * torch.randn(num_components, dim, generator=generator),
+            "rho": torch.randn(num_components, dim, generator=generator) - 1.0,
+        },
+        dual={
+            "m": torch.randn(count, num_components, dim, generator=generator),
+            "rho": 0.1 * torch.randn(count, num_components, dim, generator=generator),
+        },
+        step_sizes={
+            "m": torch.full((num_components, dim), 0.1),
+            "rho": torch.full((num_components, dim), 1.0),
+        },
+        local={"alpha": torch.randn(count, indices.shape[1], num_components, generator=generator)},
+        num_blocks=len(data.blocks),
+        num_data=len(data.data),
+    )
+
+
+@pytest.mark.parametrize("tol", [0.0, 1e-7])
+def test_solve_batch_on_cuda_equals_cpu(tol):
+    data = make_biased_gmm(4000, 4, 5, 500, 0.9, seed=1, separation=3.0)
+    batch = block_batch(data, [0, 2, 3, 5, 7], seed=2)
+    cpu = GMMBlockSolver(data.data, data.prior, num_sweeps=20, tol=tol).solve_batch(batch)
+    cuda_batch = BlockBatch(
+        blocks=batch.blocks,
+        indices=batch.indices.to(CUDA),
+        consensus=to_cuda(batch.consensus),
+        dual=to_cuda(batch.dual),
+        step_sizes=to_cuda(batch.step_sizes),
+        local=to_cuda(batch.local),
+        num_blocks=batch.num_blocks,
+        num_data=batch.num_data,
+    )
+    solver = GMMBlockSolver(data.data.to(CUDA), data.prior, num_sweeps=20, tol=tol)
+    gpu = solver.solve_batch(cuda_batch)
+    for name in ("m", "rho"):
+        assert gpu.globals[name].device.type == "cuda"
+        torch.testing.assert_close(gpu.globals[name].cpu(), cpu.globals[name], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gpu.local["alpha"].cpu(), cpu.local["alpha"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gpu.loss.cpu(), cpu.loss, rtol=1e-12, atol=0)
+
+
+def test_solve_batch_on_cuda_does_not_synchronise():
+    data = make_biased_gmm(2000, 3, 4, 500, 0.9, seed=3)
+    batch = block_batch(data, [0, 1, 2, 3], seed=4)
+    cuda_batch = BlockBatch(
+        blocks=batch.blocks,
+        indices=batch.indices.to(CUDA),
+        consensus=to_cuda(batch.consensus),
+        dual=to_cuda(batch.dual),
+        step_sizes=to_cuda(batch.step_sizes),
+        local=to_cuda(batch.local),
+        num_blocks=batch.num_blocks,
+        num_data=batch.num_data,
+    )
+    solver = GMMBlockSolver(data.data.to(CUDA), data.prior)
+    solver.solve_batch(cuda_batch)  # caches the prior on the device
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        solution = solver.solve_batch(cuda_batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(solution.loss.cpu()).all()
+
+
+@pytest.mark.parametrize("blocks_per_step", [1, 3])
+def test_pdvi_step_keeps_its_state_on_cuda(blocks_per_step):
+    data = make_biased_gmm(600, 3, 2, 100, 0.9, seed=3, separation=3.0)
+    on_cuda = data.data.to(CUDA)
+    prior = data.prior.to(torch.float64, CUDA)
+    blocks = [b.to(CUDA) for b in data.blocks]
+    gmm = GMMModel(on_cuda, prior)
+    pdvi = PDVI(
+        gmm.model,
+        gmm.guide,
+        pyro.optim.Adam({"lr": 0.01}),
+        TraceEnum_ELBO(max_plate_nesting=1),
+        blocks=blocks,
+        eta=1e-2,
+        groups=[{"sites": ["rho"], "eta": 1e-1}],
+        local_solver=GMMBlockSolver(on_cuda, prior),
+        global_update="paper",
+    )
+    for start in range(0, len(blocks), blocks_per_step):
+        loss = pdvi.step(torch.cat(blocks[start : start + blocks_per_step]))
+        assert isinstance(loss, float)
+    state = pdvi.state
+    for name in ("duals", "copies", "consensus", "step_sizes", "dual_mean", "copy_mean"):
+        assert getattr(state, name).device.type == "cuda", name
+    for name, value in pyro.get_param_store().named_parameters():
+        assert value.device.type == "cuda", name
+    for name, value in pdvi.diagnostics.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            assert value.device.type == "cuda", name
