@@ -16,8 +16,8 @@ b. ``closed-form``: one PD-VI epoch (every block once) with :class:`GMMBlockSolv
    * through direct solver calls: the loop of ``solver(problem)`` over the blocks
      (``loop``), and ``solver.solve_batch`` over m blocks at a time (``batched``);
    * ``engine overhead``: per step, the time of ``PDVI.step`` minus the solver's time
-     inside it, and the engine's parts (tracing the model and guide, finding the
-     blocks of the subsample, stacking the batch, the dual/global update).
+     inside it, and the engine's parts (running the guide up to the data plate to read
+     the subsample, finding its blocks, stacking the batch, the dual/global update).
 c. ``generic``: one ``PDVI.step`` on one block through Pyro's ``TraceEnum_ELBO`` with
    the L-BFGS primal solve (``--inner-steps`` iterations).
 d. ``svi``: one ``pyro.infer.SVI.step`` with Adam on one block (the same model, guide
@@ -421,7 +421,7 @@ def run_engine(bench: Bench, setup: Setup) -> None:
         subsamples = step_subsamples(setup, per_step)
         pdvi.step(subsamples[0])  # setup happens here
         parts = {
-            "trace model+guide": ("_trace", pdvi),
+            "find the subsample (guide up to the data plate)": ("_step_subsample", pdvi),
             "find blocks (blocks_in)": ("blocks_in", pdvi.partition),
             "stack batch (_block_batch)": ("_block_batch", pdvi),
             "dual+global update, param store (_commit)": ("_commit", pdvi),
