@@ -7,15 +7,20 @@ With ``H = diag(step_sizes)`` (``D = H^{-1}`` in the augmented Lagrangian):
 * ``h = H * mean_b(mu_b)``, kept exactly through the running dual mean
   (the paper's ``h += (1/n) sum_{b in S} (lambda_b - lambda_0)`` is the same
   update when ``H`` is fixed);
-* global step, one of two rules that share the same fixed point:
+* global step, one of two rules that share the same fixed point (every copy
+  equal to ``lambda_0`` and ``mean(mu) = 0``, i.e. ``sum_b grad f_b = 0``):
 
   - ``"paper"``: ``lambda_0 = gamma + h`` with ``gamma`` the mean of this
     step's block copies, as in the paper;
-  - ``"consensus"`` (default): ``lambda_0 = mean_b(lambda_b) + h`` over every
+  - ``"consensus"``: ``lambda_0 = mean_b(lambda_b) + h`` over every
     block's latest copy, the exact minimiser of the augmented Lagrangian in
     ``lambda_0`` [1, Sec. 3.3]. With one block per step the paper's rule hands
     that block's Monte Carlo noise to ``lambda_0`` in full; averaging all
-    copies divides it by about ``sqrt(n)`` (measured in docs/benchmarks.md).
+    copies divides it by about ``sqrt(n)``, but moves ``lambda_0`` only ``1/n``
+    of a block's change per step (measured in docs/benchmarks.md).
+
+  :class:`~pyro_pdvi.PDVI` may switch the rule between steps (its
+  ``global_update="auto"``); the state is the same for both.
 
 [1] Lyu, Yu, Ma, Shi (2026), arXiv:2602.07632.
 """

@@ -122,9 +122,19 @@ class PDVI:
         compromise measured in ``docs/benchmarks.md``: of 1, 2 and 4 it was best on the
         AutoDelta MAP test and for PD-VI on the quadratic, 1 was best for P2D-VI on the
         quadratic and 4 for the consensus rule on the GMM.
-    :param global_update: ``"consensus"`` (mean of every block's latest copy,
-        the exact minimiser of the augmented Lagrangian) or ``"paper"`` (mean of
-        this step's copies); see :mod:`~pyro_pdvi.infer.consensus`.
+    :param global_update: how ``lambda_0`` moves (same fixed point for all; see
+        :mod:`~pyro_pdvi.infer.consensus`): ``"paper"`` (``gamma`` = mean of this step's
+        copies, as in [1]), ``"consensus"`` (mean of every block's latest copy, the exact
+        minimiser of the augmented Lagrangian in ``lambda_0``), or ``"auto"`` (default):
+        the paper's rule when the block solve is deterministic (a ``local_solver``, or a
+        guide with no Monte Carlo site: Delta or enumerated sites only), else the
+        paper's rule for the first ``warmup_epochs`` epochs of block visits and the
+        consensus rule after. With one block per step the paper's rule moves
+        ``lambda_0`` about n times further per epoch, but hands each solve's Monte Carlo
+        noise to ``lambda_0`` in full; the consensus rule averages it over the blocks
+        (measured in ``docs/benchmarks.md``).
+    :param warmup_epochs: epochs (block visits / n) of the paper's rule before
+        ``"auto"`` switches to the consensus rule for a Monte Carlo solve.
     :param inner_solver: ``"lbfgs"`` (default) or ``"optim"``.
     :param inner_steps: iterations of the primal solve.
     :param local_solver: optional callable :class:`BlockProblem` ->
