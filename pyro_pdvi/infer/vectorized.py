@@ -42,6 +42,10 @@ import pyro.infer.util
 import pyro.ops.special
 import pyro.poutine.enum_messenger
 import torch
+import torch.distributions.lowrank_multivariate_normal
+import torch.distributions.multivariate_normal
+import torch.distributions.normal
+import torch.distributions.studentT
 from pyro.optim import PyroOptim
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import Message
@@ -123,6 +127,21 @@ class _DataView:
         return getattr(self.data, name)
 
 
+def _standard_normal(shape, dtype, device) -> torch.Tensor:
+    # torch's version fills an unbatched tensor in place (``empty(shape).normal_()``),
+    # which vmap refuses with randomness="different"; randn draws the same numbers.
+    return torch.randn(shape, dtype=dtype, device=device)
+
+
+#: torch.distributions modules that draw their noise with ``_standard_normal``.
+_NORMAL_MODULES: tuple[ModuleType, ...] = (
+    torch.distributions.normal,
+    torch.distributions.multivariate_normal,
+    torch.distributions.lowrank_multivariate_normal,
+    torch.distributions.studentT,
+)
+
+
 def _make_enum_post_sample(original: Callable) -> Callable:
     def _pyro_post_sample(self, msg: Message) -> None:
         value = msg["value"]
@@ -174,38 +193,48 @@ _ELBO_MODULES: tuple[ModuleType, ...] = (
 )
 
 
+def _replacements() -> list[tuple[Any, str, Any]]:
+    """``(owner, attribute, replacement)`` of every patch, built from the current originals."""
+    patches: list[tuple[Any, str, Any]] = []
+    for module in _ELBO_MODULES:
+        if hasattr(module, "torch_item"):
+            patches.append((module, "torch_item", _make_torch_item(module.torch_item)))
+        if hasattr(module, "warn_if_nan"):
+            patches.append((module, "warn_if_nan", _make_warn_if_nan(module.warn_if_nan)))
+    for module in _NORMAL_MODULES:
+        patches.append((module, "_standard_normal", _standard_normal))
+    patches.append((pyro.ops.special, "_SafeLog", _SafeLog))
+    enum_messenger = pyro.poutine.enum_messenger.EnumMessenger
+    post_sample = enum_messenger.__dict__["_pyro_post_sample"]
+    patches.append((enum_messenger, "_pyro_post_sample", _make_enum_post_sample(post_sample)))
+    dice = pyro.infer.util.Dice
+    patches.append((dice, "compute_expectation", _make_compute_expectation(dice.compute_expectation)))
+    return patches
+
+
 @contextlib.contextmanager
 def vmap_compatible_pyro() -> Iterator[None]:
     """Make Pyro's ELBOs mappable by ``torch.func.vmap`` inside the ``with`` block only.
 
-    Inside: Pyro validation (infer, poutine, distributions) off; the ELBO modules'
-    ``torch_item`` and ``warn_if_nan`` leave batched tensors alone; ``pyro.ops.special``'s
-    safe-log Function is a ``setup_context`` version with a generated vmap rule. On exit,
-    also by an exception, every flag and function is put back as it was.
+    Inside: Pyro validation (infer, poutine, distributions) is off; the ELBO modules'
+    ``torch_item`` and ``warn_if_nan`` leave ``torch.func`` tensors alone;
+    ``pyro.ops.special``'s safe-log Function is a ``setup_context`` version with a
+    generated vmap rule; ``EnumMessenger`` reads a batched sample's shape without
+    ``.data``; ``Dice.compute_expectation`` needs no data-dependent branch or
+    ``masked_select``; torch's normal samplers draw with ``randn``. Each replacement
+    behaves as the original outside ``vmap``. On exit, also by an exception, every flag
+    and attribute is put back as it was.
     """
-    saved: list[tuple[ModuleType, str, Any]] = [
-        (module, name, getattr(module, name))
-        for module in _ELBO_MODULES
-        for name in ("torch_item", "warn_if_nan")
-        if hasattr(module, name)
-    ]
-    enum_messenger = pyro.poutine.enum_messenger.EnumMessenger
-    saved.append((pyro.ops.special, "_SafeLog", pyro.ops.special._SafeLog))
-    saved.append((enum_messenger, "_pyro_post_sample", enum_messenger.__dict__["_pyro_post_sample"]))
-    dice = pyro.infer.util.Dice
-    saved.append((dice, "compute_expectation", dice.__dict__["compute_expectation"]))
+    patches = _replacements()
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     with pyro.validation_enabled(False):
         try:
-            for module, name, original in saved[:-3]:
-                factory = _make_torch_item if name == "torch_item" else _make_warn_if_nan
-                setattr(module, name, factory(original))
-            pyro.ops.special._SafeLog = _SafeLog
-            enum_messenger._pyro_post_sample = _make_enum_post_sample(saved[-2][2])
-            dice.compute_expectation = _make_compute_expectation(saved[-1][2])
+            for owner, name, replacement in patches:
+                setattr(owner, name, replacement)
             yield
         finally:
-            for module, name, original in saved:
-                setattr(module, name, original)
+            for owner, name, original in originals:
+                setattr(owner, name, original)
 
 
 class BlockRowsOverride(Messenger):
