@@ -13,14 +13,23 @@ variables (L-BFGS, or the PyroOptim, which is coordinate-wise and so identical t
 the loop) and returns a :class:`~pyro_pdvi.infer.primal.BlockBatchSolution`.
 
 Pyro 1.9's ELBOs do a few things inside the loss that ``vmap`` refuses (measured with
-pyro-ppl 1.9.2, torch 2.13): validation checks that branch on tensor values,
-``torch_item`` (``.item()``) and ``warn_if_nan`` (a backward hook) on the loss, and
-``pyro.ops.special``'s safe-log ``autograd.Function`` of the old style, which ``vmap``
-cannot batch. :func:`vmap_compatible_pyro` swaps them, for the duration of a ``with``
-block only, for versions that behave the same outside ``vmap`` and batch inside it.
-And ``pyro.plate`` slices a local param by the subsample indices itself, which would
-need every block's copy of the full ``(N, ...)`` param: :class:`BlockRowsOverride`
-serves the block's rows already sliced instead.
+pyro-ppl 1.9.2, torch 2.13): validation checks that branch on tensor values;
+``torch_item`` (``.item()``) and ``warn_if_nan`` (a backward hook) on the loss;
+``pyro.ops.special``'s safe-log ``autograd.Function`` of the old style;
+``EnumMessenger`` reading ``value.data``; ``Dice.compute_expectation`` branching on
+``(prob > 0).all()`` and calling ``masked_select``; torch's normal samplers filling an
+unbatched tensor in place, which ``randomness="different"`` refuses; and
+``TraceEnum_ELBO`` checking ``loss.requires_grad``, which is false inside ``vmap`` (so
+the gradient is taken inside, by ``torch.func.grad_and_value``).
+:func:`vmap_compatible_pyro` swaps the first six, for the duration of a ``with`` block
+only, for versions that behave the same outside ``vmap`` and batch inside it. And
+``pyro.plate`` slices a local param by the subsample indices itself, which would need
+every block's copy of the full ``(N, ...)`` param: :class:`BlockRowsOverride` serves
+the block's rows already sliced instead.
+
+Measured on CPU (``docs/benchmarks.md``), the gain is Python overhead: large where a
+block's objective is cheap (small blocks, the per-datum variant), none where the
+arithmetic of each block dominates.
 
 [1] Lyu, Yu, Ma, Shi (2026), "Scalable Mean-Field Variational Inference via
     Preconditioned Primal-Dual Optimization", arXiv:2602.07632.
@@ -173,7 +182,7 @@ class _MaskFreeExpectation(TorchFunctionMode):
             return _unwrapped(args[0]).all()
         if func is torch.Tensor.masked_select and any(_is_vmapped(a) for a in args):
             value, mask = args
-            return torch.where(mask, value, torch.zeros((), dtype=value.dtype)).reshape(-1)
+            return torch.where(mask, value, value.new_zeros(())).reshape(-1)
         return func(*args, **kwargs)
 
 
