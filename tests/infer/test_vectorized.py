@@ -100,6 +100,7 @@ def assert_equals_loop(loop, batched, unconstrained, local_sites, indices, copie
     with noise():
         losses = batched(indices, {k: leaves[k] for k in copies}, {k: leaves[k] for k in rows}, (idx,), {})
     grads = dict(zip(leaves, torch.autograd.grad(losses.sum(), list(leaves.values()))))
+    losses = losses.detach()
     local_full = {s.name: unconstrained[s.name] for s in local_sites}
     for i, block in enumerate(indices):
         point = {k: v[i].clone().requires_grad_() for k, v in {**copies, **rows}.items()}
