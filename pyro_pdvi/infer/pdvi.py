@@ -52,6 +52,7 @@ from .primal import (
     minimize,
 )
 from .sites import DataPlate, GlobalLayout, find_data_plate, split_param_sites
+from .vectorized import BatchedBlockObjective, VectorizedBlockSolver
 
 
 class NonFiniteStepError(RuntimeError):
@@ -143,6 +144,12 @@ class PDVI:
     :param plate_name: name of the data plate, if several plates have size N.
     :param curvature_blocks: how many blocks ``eta="auto"`` measures (the max is used).
     :param curvature_iterations: power iterations per group and block.
+    :param vectorize_blocks: solve a step's blocks, when there are several of equal size,
+        in one pass of ``torch.func.vmap`` over stacked block copies instead of a loop (the
+        generic path only; see :mod:`~pyro_pdvi.infer.vectorized`). Each block then draws
+        its own Monte Carlo noise from the step's one seed. A model that ``vmap`` cannot
+        map raises :class:`~pyro_pdvi.infer.vectorized.VectorizationError` on the first
+        such step.
     """
 
     def __init__(
@@ -164,6 +171,7 @@ class PDVI:
         plate_name: str | None = None,
         curvature_blocks: int = 4,
         curvature_iterations: int = 6,
+        vectorize_blocks: bool = False,
     ) -> None:
         if not isinstance(optim, PyroOptim):
             raise ValueError(
@@ -196,6 +204,13 @@ class PDVI:
         if local_solver is not None and not callable(local_solver):
             raise ValueError("local_solver must be a callable BlockProblem -> BlockSolution")
         check_eta(eta, "eta")
+        if not isinstance(vectorize_blocks, bool):
+            raise ValueError(f"Invalid vectorize_blocks: {vectorize_blocks!r}; use True or False")
+        if vectorize_blocks and local_solver is not None:
+            raise ValueError(
+                "vectorize_blocks=True vectorizes the generic primal solve, but a local_solver "
+                "replaces it; give the local solver a solve_batch method to batch its blocks"
+            )
 
         self.model = model
         self.guide = guide
@@ -214,6 +229,7 @@ class PDVI:
         self.plate_name = plate_name
         self.curvature_blocks = _check_positive_int(curvature_blocks, "curvature_blocks")
         self.curvature_iterations = _check_positive_int(curvature_iterations, "curvature_iterations")
+        self.vectorize_blocks = vectorize_blocks
         self.num_steps = 0
         self.diagnostics: dict[str, Any] = {}
         self._loss_fn = loss_fn
@@ -260,6 +276,15 @@ class PDVI:
         self._objective = BlockObjective(
             self.model, self.guide, self._loss_fn, self.plate, self.layout, self.local_sites
         )
+        if self.vectorize_blocks:
+            self._vectorized_solver = VectorizedBlockSolver(
+                BatchedBlockObjective(
+                    self.model, self.guide, self._loss_fn, self.plate, self.layout, self.local_sites
+                ),
+                self.inner_solver,
+                self.inner_steps,
+                self.optim,
+            )
         self._state = ConsensusState(
             consensus, len(self.partition), torch.ones_like(consensus), self._rule_for_step()
         )
@@ -564,7 +589,7 @@ class PDVI:
         sizes = self.partition.sizes[block_ids]
         return (
             len(block_ids) > 1
-            and hasattr(self.local_solver, "solve_batch")
+            and (hasattr(self.local_solver, "solve_batch") or self.vectorize_blocks)
             and bool((sizes == sizes[0]).all())
         )
 
@@ -572,10 +597,15 @@ class PDVI:
         self, block_ids: torch.Tensor, seeds: list[int], args: tuple, kwargs: dict
     ) -> StepSolution:
         """Primal solutions of the step's blocks: one vectorized call where the local
-        solver has ``solve_batch`` and the blocks have equal sizes, else a loop."""
+        solver has ``solve_batch`` (or ``vectorize_blocks`` is set) and the blocks have
+        equal sizes, else a loop."""
         if self._can_batch(block_ids):
             batch = self._block_batch(block_ids, args, kwargs)
-            solution: BlockBatchSolution = self.local_solver.solve_batch(batch)
+            if self.vectorize_blocks:
+                noise = FixedNoise(seeds[0], self.device)
+                solution: BlockBatchSolution = self._vectorized_solver.solve_batch(batch, noise)
+            else:
+                solution = self.local_solver.solve_batch(batch)
             copies = self.layout.flatten(solution.globals, batch_dims=1)
             losses = solution.loss
             if losses is None:
