@@ -13,17 +13,23 @@ from .potts import (
     negative_elbo,
     potts_energy,
 )
+from .synthetic import PottsData, critical_beta, gibbs_sweeps, lattice_graph, make_potts_data
 
 __all__ = [
     "BACKENDS",
     "CoordinateAscentResult",
     "PottsBlockSolver",
+    "PottsData",
     "PottsGMMModel",
     "SpatialGraph",
     "block_negative_elbo",
     "coordinate_ascent",
+    "critical_beta",
+    "gibbs_sweeps",
     "grid_patches",
     "knn_graph",
+    "lattice_graph",
+    "make_potts_data",
     "negative_elbo",
     "potts_energy",
     "scatter_available",

@@ -226,6 +226,12 @@ class SpatialGraph:
         rng = np.random.default_rng(seed)
         priority = rng.permutation(self.num_rows).astype(np.float64)
         uncoloured = np.ones(self.num_rows, dtype=bool)
+        rows = np.repeat(np.arange(self.num_rows), np.diff(indptr))
+        if (rows == indices).any():
+            raise ValueError(
+                f"the graph has a self-loop at node {int(rows[rows == indices][0])}; a Potts graph has none "
+                "(SpatialGraph.from_scipy drops stored zeros: check the matrix's diagonal)"
+            )
         nonempty = indptr[:-1] < indptr[1:]
         starts = indptr[:-1][nonempty]
         classes = []
@@ -257,7 +263,8 @@ class SpatialGraph:
     @classmethod
     def from_scipy(cls, matrix, backend: str = "auto", dtype: torch.dtype | None = None) -> SpatialGraph:
         """A graph from a ``scipy.sparse`` matrix (converted to CSR with sorted indices)."""
-        matrix = matrix.tocsr()
+        matrix = matrix.tocsr(copy=True)
+        matrix.eliminate_zeros()
         matrix.sort_indices()
         dtype = torch.get_default_dtype() if dtype is None else dtype
         return cls(
