@@ -145,6 +145,20 @@ def run_size(args: argparse.Namespace, num_spots: int) -> dict:
     return results
 
 
+def matched(truth: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``labels`` renamed to the truth's by the best one-to-one matching (for same colours)."""
+    from scipy.optimize import linear_sum_assignment
+
+    size = int(max(truth.max(), labels.max())) + 1
+    table = torch.zeros(size, size, dtype=torch.long).index_put_(
+        (labels, truth), torch.tensor(1), accumulate=True
+    )
+    rows, cols = linear_sum_assignment(-table.numpy())
+    rename = torch.arange(size)
+    rename[torch.as_tensor(rows)] = torch.as_tensor(cols)
+    return rename[labels]
+
+
 def plot(args, tissue, fits, results, out: Path) -> None:
     import matplotlib
 
@@ -178,10 +192,11 @@ def plot(args, tissue, fits, results, out: Path) -> None:
 
     coords = tissue.coords.numpy()
     panels = [("truth", tissue.labels)] + [
-        (f"{n}: ARI {methods[n]['final_ari']:.3f}", fits[n].labels.cpu()) for n in fits
+        (f"{n}: ARI {methods[n]['final_ari']:.3f}", matched(tissue.labels, fits[n].labels.cpu()))
+        for n in fits
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4.2))
-    size = max(0.02, 3000.0 / num_spots)
+    size = max(0.3, 30000.0 / num_spots)
     for ax, (title, labels) in zip(axes, panels):
         ax.scatter(
             coords[:, 0], coords[:, 1], c=labels.numpy(), s=size, cmap="tab20", linewidths=0, rasterized=True
