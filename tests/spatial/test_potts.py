@@ -127,7 +127,7 @@ def test_solver_reaches_stationary_point_of_augmented_lagrangian():
     f_b = block_negative_elbo(
         data[problem.indices], prior, graph.subgraph(problem.indices), *params, alpha, 120
     )
-    assert float(solution.loss.detach()) == pytest.approx(float(f_b), rel=1e-14)
+    assert float(solution.loss.detach()) == pytest.approx(float(f_b.detach()), rel=1e-14)
 
 
 def test_solver_sweeps_do_not_increase_augmented_lagrangian():
