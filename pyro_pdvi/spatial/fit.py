@@ -239,7 +239,8 @@ def fit_potts_mixture(
     for epoch in range(1, num_epochs + 1):
         start = time.perf_counter()
         for b in torch.randperm(len(patches), generator=generator).tolist():
-            algorithm.step(patches[b])
+            # SVI slices the local params by the subsample on their device; PDVI takes its blocks as given.
+            algorithm.step(patches[b].to(device) if method == "svi" else patches[b])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds += time.perf_counter() - start

@@ -387,7 +387,7 @@ class PottsGMMModel(GMMModel):
         trace = poutine.trace(guide).get_trace(idx)
         names = SITE_NAMES
         m, rho, alpha = (trace.nodes[name]["value"] for name in names)
-        indices = trace.nodes["data"]["value"]
+        indices = trace.nodes["data"]["value"].to(self.data.device)
         if alpha.shape[0] != indices.numel():  # the trace holds the full param, not the plate's slice
             alpha = alpha.index_select(0, indices)
         data = self.data[indices]
