@@ -55,7 +55,8 @@ class SpatialFit:
     :param step_sizes: ``eta`` per global site (PD-VI methods).
     :param history: per epoch (index 0: the start) ``epoch``, ``seconds`` (cumulative, fitting
         only), ``objective`` (:func:`~pyro_pdvi.spatial.potts.negative_elbo`), ``grad_norm``
-        (``||grad_lambda objective||`` at the consensus), and ``ari`` when a truth was given.
+        (``||grad_lambda objective||`` at the consensus), ``ari`` when a truth was given, and
+        ``temperature`` (epochs 1.., when annealing).
     """
 
     labels: torch.Tensor
@@ -120,6 +121,7 @@ def fit_potts_mixture(
     prior: GMMPrior | None = None,
     init_labels: torch.Tensor | None = None,
     init_smoothing: float = 0.1,
+    anneal: tuple[float, int] | None = None,
     truth: torch.Tensor | None = None,
     record: bool = True,
     seed: int = 0,
@@ -146,6 +148,9 @@ def fit_potts_mixture(
     :param prior: hyperparameters; default from the k-means labels as in the paper.
     :param init_labels: initial labels ``(N,)``; default k-means (seeded by ``seed``).
     :param init_smoothing: initial ``phi = (1 - s) onehot(labels) + s / K``.
+    :param anneal: ``(T0, E)``: optional temperature annealing of ``phi`` for the PD-VI
+        methods, ``T = 1 + (T0 - 1) (1 - (e - 1) / E)`` in epoch ``e <= E``, then 1 (see
+        :class:`~pyro_pdvi.spatial.potts.PottsBlockSolver`); ``None``: none.
     :param truth: true labels, to record the ARI per epoch.
     :param record: compute the objective and gradient norm after every epoch.
     :param seed: seed of k-means and of the patch order.
@@ -167,6 +172,8 @@ def fit_potts_mixture(
         )
     if not potts_weight >= 0:
         raise ValueError(f"Invalid potts_weight: {potts_weight}; use a non-negative float")
+    if anneal is not None and not (len(anneal) == 2 and anneal[0] >= 1 and int(anneal[1]) >= 1):
+        raise ValueError(f"Invalid anneal: {anneal!r}; use (T0 >= 1, number of epochs >= 1) or None")
     device = features.device if device is None else torch.device(device)
     features = features.to(device, dtype)
 
@@ -192,6 +199,7 @@ def fit_potts_mixture(
     if method == "svi":
         algorithm = SVI(model.model, model.guide, pyro.optim.Adam({"lr": lr}), model.loss)
     else:
+        solver = PottsBlockSolver(features, prior, graph, num_sweeps, newton_steps)
         algorithm = PDVI(
             model.model,
             model.guide,
@@ -201,12 +209,13 @@ def fit_potts_mixture(
             eta=steps["m"],
             groups=[{"sites": ["rho"], "eta": steps["rho"]}],
             global_update="paper",
-            local_solver=PottsBlockSolver(features, prior, graph, num_sweeps, newton_steps),
+            local_solver=solver,
         )
 
     history: dict[str, list[float]] = {"epoch": [], "seconds": [], "objective": [], "grad_norm": []}
     if truth is not None:
         history["ari"] = []
+    temperatures: list[float] = []
 
     def current() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         store = pyro.get_param_store()
@@ -237,6 +246,9 @@ def fit_potts_mixture(
     generator = torch.Generator().manual_seed(seed)
     seconds = 0.0
     for epoch in range(1, num_epochs + 1):
+        if anneal is not None and method != "svi":
+            solver.temperature = 1.0 + (anneal[0] - 1.0) * max(0.0, 1.0 - (epoch - 1) / int(anneal[1]))
+            temperatures.append(solver.temperature)
         start = time.perf_counter()
         for b in torch.randperm(len(patches), generator=generator).tolist():
             # SVI slices the local params by the subsample on their device; PDVI takes its blocks as given.
@@ -247,6 +259,8 @@ def fit_potts_mixture(
         if record:
             log(epoch, seconds)
 
+    if temperatures:
+        history["temperature"] = temperatures
     m_now, rho_now, alpha_now = current()
     probabilities = torch.softmax(alpha_now, -1)
     return SpatialFit(

@@ -96,9 +96,14 @@ def block_negative_elbo(
     rho: torch.Tensor,
     alpha_block: torch.Tensor,
     num_data: int,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Block share ``f_b`` [1, App. C.1]: the spots' local terms, ``|b|/N`` of the KL of
     ``q(c)``, and the Potts term of the edges inside the block.
+
+    With ``temperature = T != 1`` the entropy term (D) is weighted by ``T``: the annealed
+    objective ``f_b + (T - 1) sum_i <phi_i, log phi_i>`` whose ``phi``-minimiser is
+    ``softmax((ell + messages) / T)``, flatter for ``T > 1``.
 
     :param data_block: ``(|b|, d)``.
     :param prior: the hyperparameters.
@@ -107,11 +112,16 @@ def block_negative_elbo(
     :param rho: ``(K, d)``.
     :param alpha_block: ``(|b|, K)``.
     :param num_data: N.
+    :param temperature: ``T`` of the annealed objective (1: the exact one).
     """
     weight = data_block.shape[0] / num_data
     local = local_negative_elbo(data_block, prior, m, rho, alpha_block).sum()
-    energy = potts_energy(patch_graph, torch.softmax(alpha_block, -1))
-    return local + weight * global_negative_elbo(prior, m, rho) - energy
+    log_phi = torch.log_softmax(alpha_block, -1)
+    energy = potts_energy(patch_graph, log_phi.exp())
+    value = local + weight * global_negative_elbo(prior, m, rho) - energy
+    if temperature != 1.0:
+        value = value + (temperature - 1.0) * (log_phi.exp() * log_phi).sum()
+    return value
 
 
 # --------------------------------------------------------------------------- coordinate updates
@@ -121,8 +131,9 @@ def _mean_field_sweep(
     log_likelihood: torch.Tensor,
     alpha: torch.Tensor,
     colour_rows: list[tuple[torch.Tensor, SpatialGraph]],
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """One pass over the colour classes: ``alpha_S = log softmax(ell_S + sum_l r_il phi_l)``.
+    """One pass over the colour classes: ``alpha_S = log softmax((ell_S + sum_l r_il phi_l) / T)``.
 
     Within a class no two spots are neighbours, so each class update is the exact
     minimiser of the objective in those spots' ``phi`` given all others (the objective
@@ -130,7 +141,7 @@ def _mean_field_sweep(
     """
     phi = alpha.exp()
     for nodes, rows in colour_rows:
-        updated = torch.log_softmax(log_likelihood[nodes] + rows.neighbour_sum(phi), -1)
+        updated = torch.log_softmax((log_likelihood[nodes] + rows.neighbour_sum(phi)) / temperature, -1)
         alpha[nodes] = updated
         phi[nodes] = updated.exp()
     return alpha
@@ -246,6 +257,10 @@ class PottsBlockSolver:
     :param num_sweeps: sweeps per solve (the authors use 10-15).
     :param newton_steps: Newton steps on ``rho`` per sweep.
     :param site_names: param names of the means, log-variances and logits.
+    :param temperature: ``T >= 1`` of optional annealing: the ``phi`` updates minimise the
+        annealed objective (entropy weighted by ``T``, see :func:`block_negative_elbo`).
+        A caller lowers it to 1 over the first epochs (``fit_potts_mixture(anneal=...)``);
+        at 1 (default) the solver minimises the exact augmented Lagrangian.
     """
 
     def __init__(
@@ -256,6 +271,7 @@ class PottsBlockSolver:
         num_sweeps: int = 10,
         newton_steps: int = 5,
         site_names: tuple[str, str, str] = SITE_NAMES,
+        temperature: float = 1.0,
     ) -> None:
         for name, value in (("num_sweeps", num_sweeps), ("newton_steps", newton_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -267,7 +283,10 @@ class PottsBlockSolver:
             )
         if len(site_names) != 3 or len(set(site_names)) != 3:
             raise ValueError(f"site_names must name means, log-variances and logits; got {site_names!r}")
+        if not temperature > 0:
+            raise ValueError(f"Invalid temperature: {temperature}; use a positive float (1: no annealing)")
         self.data = data
+        self.temperature = temperature
         self.prior = prior
         self.graph = graph
         self.num_sweeps = num_sweeps
@@ -320,7 +339,9 @@ class PottsBlockSolver:
         alpha = torch.log_softmax(problem.local[logits].to(device, dtype), -1)
         rho_cap = rho_0 - eta_rho * (mu_rho - 0.5 * weight)
         for _ in range(self.num_sweeps):
-            alpha = _mean_field_sweep(expected_log_likelihood(data, prior, m, rho), alpha, colour_rows)
+            alpha = _mean_field_sweep(
+                expected_log_likelihood(data, prior, m, rho), alpha, colour_rows, self.temperature
+            )
             phi = alpha.exp()
             counts = phi.sum(0)[:, None]
 
@@ -347,7 +368,7 @@ class PottsBlockSolver:
         prior = self.prior.to(m.dtype, m.device)
         data = self.data.index_select(0, problem.indices.to(self.data.device)).to(m.device, m.dtype)
         subgraph, _ = self.patch(problem.block, problem.indices)
-        f_b = block_negative_elbo(data, prior, subgraph, m, rho, alpha, problem.num_data)
+        f_b = block_negative_elbo(data, prior, subgraph, m, rho, alpha, problem.num_data, self.temperature)
         return f_b + problem.penalty({means: m, log_variances: rho})
 
 

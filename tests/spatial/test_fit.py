@@ -71,6 +71,13 @@ def test_fit_spatial_domains_computes_features_when_absent(tissue):
     assert "spatial_domain" in adata.obs
 
 
+def test_annealing_schedule_ends_at_the_exact_objective(tissue):
+    kwargs = dict(num_patches=4, num_epochs=4)
+    annealed = fit_potts_mixture(tissue.data, tissue.coords, 4, anneal=(3.0, 2), **kwargs)
+    assert annealed.history["temperature"] == [3.0, 2.0, 1.0, 1.0]
+    assert annealed.history["objective"][4] < annealed.history["objective"][0]
+
+
 def test_errors(tissue):
     adata = make_adata(tissue)
     del adata.obsm["spatial"]
@@ -78,6 +85,8 @@ def test_errors(tissue):
         fit_spatial_domains(adata, 3)
     with pytest.raises(ValueError, match="method"):
         fit_potts_mixture(tissue.data, tissue.coords, 3, method="adam")
+    with pytest.raises(ValueError, match="anneal"):
+        fit_potts_mixture(tissue.data, tissue.coords, 3, anneal=(0.5, 2))
     with pytest.raises(ValueError, match="same N"):
         fit_potts_mixture(tissue.data[:10], tissue.coords, 3)
     with pytest.raises(ValueError, match='no column "domains"'):

@@ -111,10 +111,11 @@ def make_problem(data, prior, graph, patches, block=1, seed=2):
     )
 
 
-def test_solver_reaches_stationary_point_of_augmented_lagrangian():
+@pytest.mark.parametrize("temperature", [1.0, 2.5], ids=["exact", "annealed"])
+def test_solver_reaches_stationary_point_of_augmented_lagrangian(temperature):
     data, prior, graph, patches, _ = small_problem()
     problem = make_problem(data, prior, graph, patches)
-    solver = PottsBlockSolver(data, prior, graph, num_sweeps=400, newton_steps=20)
+    solver = PottsBlockSolver(data, prior, graph, num_sweeps=400, newton_steps=20, temperature=temperature)
     solution = solver(problem)
     params = [
         solution.globals["m"].clone().requires_grad_(),
@@ -202,6 +203,8 @@ def test_solver_errors():
     data, prior, graph, patches, _ = small_problem()
     with pytest.raises(ValueError, match="num_sweeps"):
         PottsBlockSolver(data, prior, graph, num_sweeps=0)
+    with pytest.raises(ValueError, match="temperature"):
+        PottsBlockSolver(data, prior, graph, temperature=0.0)
     with pytest.raises(ValueError, match="square over the N = 10"):
         PottsBlockSolver(data[:10], prior, graph)
     problem = make_problem(data, prior, graph, patches)
