@@ -192,9 +192,18 @@ def test_loss_callable_is_scaled_block_objective():
     m, rho, alpha = random_state(prior, 120)
     model = PottsGMMModel(data, prior, graph, init_means=m, init_log_variances=rho, init_logits=alpha)
     full = model.loss(model.model, model.guide, None)
-    assert float(full) == pytest.approx(float(negative_elbo(data, prior, graph, m, rho, alpha)), rel=1e-13)
+    assert float(full.detach()) == pytest.approx(
+        float(negative_elbo(data, prior, graph, m, rho, alpha)), rel=1e-13
+    )
+    # differentiable in the param store's values, with the exact gradient
+    store = pyro.get_param_store()
+    grads = torch.autograd.grad(full, [store["m"], store["alpha"]])
+    leaves = [m.clone().requires_grad_(), alpha.clone().requires_grad_()]
+    expected = torch.autograd.grad(negative_elbo(data, prior, graph, leaves[0], rho, leaves[1]), leaves)
+    for got, want in zip(grads, expected):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
     p = patches[2]
-    scaled = model.loss(model.model, model.guide, p)
+    scaled = model.loss(model.model, model.guide, p).detach()
     f_b = block_negative_elbo(data[p], prior, graph.subgraph(p), m, rho, alpha[p], 120)
     assert float(scaled) == pytest.approx(float(f_b) * 120 / len(p), rel=1e-13)
 
