@@ -292,14 +292,17 @@ class PottsBlockSolver:
         self.num_sweeps = num_sweeps
         self.newton_steps = newton_steps
         self.site_names = tuple(site_names)
-        self._patches: dict[int, tuple[SpatialGraph, list]] = {}
+        self._patches: dict[int, tuple[torch.Tensor, SpatialGraph, list]] = {}
 
     def patch(self, block: int, indices: torch.Tensor) -> tuple[SpatialGraph, list]:
-        """The block's subgraph and its colour classes with their rows (cached)."""
-        if block not in self._patches:
-            subgraph = self.graph.subgraph(indices.to(self.graph.indptr.device))
-            self._patches[block] = (subgraph, _colour_rows(subgraph))
-        return self._patches[block]
+        """The block's subgraph and its colour classes with their rows (cached per block id,
+        rebuilt if the block's indices change)."""
+        indices = indices.to(self.graph.indptr.device)
+        cached = self._patches.get(block)
+        if cached is None or not torch.equal(cached[0], indices):
+            subgraph = self.graph.subgraph(indices)
+            cached = self._patches[block] = (indices, subgraph, _colour_rows(subgraph))
+        return cached[1], cached[2]
 
     def _check_sites(self, problem: BlockProblem) -> None:
         means, log_variances, logits = self.site_names
