@@ -460,6 +460,55 @@ def cavi(
 # --------------------------------------------------------------------------- PD-VI local solver
 
 
+def augmented_component_update(
+    phi: torch.Tensor,
+    centred_data: torch.Tensor,
+    prior: GMMPrior,
+    weight: float,
+    problem: BlockProblem,
+    rho: torch.Tensor,
+    newton_steps: int,
+    site_names: tuple[str, str] = SITE_NAMES[:2],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Minimiser of a block's augmented Lagrangian over ``q(c) = N(m, exp(rho))`` given the
+    block's responsibilities ``phi`` (the ``m`` and ``rho`` half of a sweep of
+    :class:`GMMBlockSolver`; the Potts solver of :mod:`pyro_pdvi.spatial` shares it).
+
+    ``m`` solves the diagonal quadratic exactly; ``rho`` takes ``newton_steps`` Newton
+    steps on the strictly convex ``h(rho) = a exp(rho) - (w/2) rho + mu rho + (rho -
+    rho_0)^2 / (2 eta)``, started at ``min(rho, cap)`` with the cap
+    ``rho_0 - eta (mu - w/2)`` an upper bound of the root: ``h'`` is increasing and
+    convex, so Newton from the right of the root decreases monotonically onto it.
+
+    :param phi: the block's responsibilities ``(|b|, K)``.
+    :param centred_data: the block's ``x - xi``, ``(|b|, d)``.
+    :param prior: the hyperparameters.
+    :param weight: ``w = |b| / N``.
+    :param problem: the block's subproblem (consensus, dual, step sizes of the sites).
+    :param rho: the current log-variances (the Newton start).
+    :param newton_steps: Newton steps on ``rho``.
+    :param site_names: names of the means and log-variances sites.
+    :returns: the new ``(m, rho)``.
+    """
+    means, log_variances = site_names
+    m_0, rho_0 = problem.consensus[means], problem.consensus[log_variances]
+    mu_m, mu_rho = problem.dual[means], problem.dual[log_variances]
+    eta_m, eta_rho = problem.step_sizes[means], problem.step_sizes[log_variances]
+    counts = phi.sum(0)[:, None]
+    precision = counts / prior.sigma0_sq + weight / prior.sigma1_sq + eta_m.reciprocal()
+    rhs = (phi.T @ centred_data) / prior.sigma0_sq - mu_m + (m_0 - prior.xi) / eta_m
+    m = prior.xi + rhs / precision
+
+    rho_cap = rho_0 - eta_rho * (mu_rho - 0.5 * weight)
+    curvature = 0.5 * (counts / prior.sigma0_sq + weight / prior.sigma1_sq)
+    rho = torch.minimum(rho, rho_cap)
+    for _ in range(newton_steps):
+        scaled = curvature * rho.exp()
+        gradient = scaled - 0.5 * weight + mu_rho + (rho - rho_0) / eta_rho
+        rho = torch.minimum(rho - gradient / (scaled + eta_rho.reciprocal()), rho_cap)
+    return m, rho
+
+
 class GMMBlockSolver:
     """Coordinate-descent solve of one block's augmented Lagrangian [1, App. C.1]::
 
@@ -574,28 +623,21 @@ class GMMBlockSolver:
         prior = self._prior_on(dtype, device)
         data = self.data.index_select(0, problem.indices.to(self.data.device)).to(device, dtype)
         weight = data.shape[0] / problem.num_data
-        mu_m, mu_rho = problem.dual[means], problem.dual[log_variances]
-        eta_m, eta_rho = problem.step_sizes[means], problem.step_sizes[log_variances]
-
         centred_data = data - prior.xi
         m, rho = m_0.clone(), rho_0.clone()
         # No warm start of alpha_b is needed: each sweep begins with its exact update.
-        rho_cap = rho_0 - eta_rho * (mu_rho - 0.5 * weight)
         for _ in range(self.num_sweeps):
             alpha = torch.log_softmax(expected_log_likelihood(data, prior, m, rho), -1)
-            phi = alpha.exp()
-            counts = phi.sum(0)[:, None]
-
-            precision = counts / prior.sigma0_sq + weight / prior.sigma1_sq + eta_m.reciprocal()
-            rhs = (phi.T @ centred_data) / prior.sigma0_sq - mu_m + (m_0 - prior.xi) / eta_m
-            new_m = prior.xi + rhs / precision
-
-            curvature = 0.5 * (counts / prior.sigma0_sq + weight / prior.sigma1_sq)
-            new_rho = torch.minimum(rho, rho_cap)
-            for _ in range(self.newton_steps):
-                scaled = curvature * new_rho.exp()
-                gradient = scaled - 0.5 * weight + mu_rho + (new_rho - rho_0) / eta_rho
-                new_rho = torch.minimum(new_rho - gradient / (scaled + eta_rho.reciprocal()), rho_cap)
+            new_m, new_rho = augmented_component_update(
+                alpha.exp(),
+                centred_data,
+                prior,
+                weight,
+                problem,
+                rho,
+                self.newton_steps,
+                (means, log_variances),
+            )
 
             # Only an early stop needs the change on the host (a sync per sweep on a GPU).
             converged = (

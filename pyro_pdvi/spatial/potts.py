@@ -44,6 +44,7 @@ from ..models.gmm import (
     SITE_NAMES,
     GMMModel,
     GMMPrior,
+    augmented_component_update,
     expected_log_likelihood,
     global_negative_elbo,
     local_negative_elbo,
@@ -334,32 +335,23 @@ class PottsBlockSolver:
         data = self.data.index_select(0, problem.indices.to(self.data.device)).to(device, dtype)
         subgraph, colour_rows = self.patch(problem.block, problem.indices)
         weight = data.shape[0] / problem.num_data
-        mu_m, mu_rho = problem.dual[means], problem.dual[log_variances]
-        eta_m, eta_rho = problem.step_sizes[means], problem.step_sizes[log_variances]
-
         centred_data = data - prior.xi
         m, rho = m_0.clone(), rho_0.clone()
         alpha = torch.log_softmax(problem.local[logits].to(device, dtype), -1)
-        rho_cap = rho_0 - eta_rho * (mu_rho - 0.5 * weight)
         for _ in range(self.num_sweeps):
             alpha = _mean_field_sweep(
                 expected_log_likelihood(data, prior, m, rho), alpha, colour_rows, self.temperature
             )
-            phi = alpha.exp()
-            counts = phi.sum(0)[:, None]
-
-            precision = counts / prior.sigma0_sq + weight / prior.sigma1_sq + eta_m.reciprocal()
-            rhs = (phi.T @ centred_data) / prior.sigma0_sq - mu_m + (m_0 - prior.xi) / eta_m
-            m = prior.xi + rhs / precision
-
-            # h(rho) = a e^rho - (w/2) rho + mu rho + (rho - rho_0)^2 / (2 eta): h' increasing and
-            # convex, so Newton from the right of the root (the cap bounds it) decreases monotonically.
-            curvature = 0.5 * (counts / prior.sigma0_sq + weight / prior.sigma1_sq)
-            rho = torch.minimum(rho, rho_cap)
-            for _ in range(self.newton_steps):
-                scaled = curvature * rho.exp()
-                gradient = scaled - 0.5 * weight + mu_rho + (rho - rho_0) / eta_rho
-                rho = torch.minimum(rho - gradient / (scaled + eta_rho.reciprocal()), rho_cap)
+            m, rho = augmented_component_update(
+                alpha.exp(),
+                centred_data,
+                prior,
+                weight,
+                problem,
+                rho,
+                self.newton_steps,
+                (means, log_variances),
+            )
         loss = block_negative_elbo(data, prior, subgraph, m, rho, alpha, problem.num_data)
         return BlockSolution(globals={means: m, log_variances: rho}, local={logits: alpha}, loss=loss)
 
