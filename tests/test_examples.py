@@ -70,7 +70,13 @@ def test_global_update_noise_benchmark_tiny():
         ]
     )
     rows = module.main(args)
-    assert [row["method"] for row in rows] == ["PDVI paper", "PDVI consensus", "SVI+Adam lr=0.05"]
+    assert [row["method"] for row in rows] == [
+        "PDVI auto",
+        "PDVI paper",
+        "PDVI consensus",
+        "SVI+Adam lr=0.05",
+    ]
+    assert all(row["rms_error"] >= 0 and row["rms_scale_error"] >= 0 for row in rows)
 
 
 def test_quadratic_benchmark_tiny():
