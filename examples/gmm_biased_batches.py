@@ -128,6 +128,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="adam,rmsprop,sgd",
         help="Pyro SVI optimizers to run (comma list of adam, rmsprop, sgd; empty for none)",
     )
+    run.add_argument(
+        "--svi-seeds",
+        default="",
+        help="comma list: seeds on which the Pyro SVI runs (the costly ones) are made; all seeds if empty",
+    )
+    run.add_argument("--svi-epochs", type=int, default=0, help="epochs of the Pyro SVI runs; --epochs if 0")
     run.add_argument("--adam-lrs", default="0.01,0.03,0.1", help="learning-rate grid of SVI+Adam")
     run.add_argument("--rmsprop-lrs", default="0.003,0.01,0.03", help="learning-rate grid of SVI+RMSprop")
     run.add_argument(
@@ -171,6 +177,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     out = parser.add_argument_group("output")
     out.add_argument("--out", default="results", help="folder for the CSVs and the plot")
+    out.add_argument(
+        "--from-csv",
+        default="",
+        help="comma list of per-epoch CSVs written by earlier runs (e.g. parts of one configuration run in "
+        "parallel processes): run nothing, merge them, print the table and plot",
+    )
     out.add_argument("--quiet", action="store_true", help="no progress bars")
     out.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     out.add_argument("--device", default="cpu", help="torch device of the data and params, e.g. cuda")
@@ -343,18 +355,27 @@ def train(
         from tqdm.auto import tqdm
 
         progress = tqdm(progress, desc=f"p={problem.purity} s={problem.seed} {method} {setting}", leave=False)
+    diverged = False
     for epoch in progress:
         permutation = torch.randperm(len(blocks), generator=order).tolist()
         start = time.perf_counter()
-        if stepper.per_epoch:
-            stepper.step()
-        else:
-            for b in permutation:
-                stepper.step(blocks[b])
+        if not diverged:
+            try:
+                if stepper.per_epoch:
+                    stepper.step()
+                else:
+                    for b in permutation:
+                        stepper.step(blocks[b])
+            except (ValueError, RuntimeError) as error:
+                # A learning rate too large for the grid: Pyro refuses a non-positive scale,
+                # PDVI a non-finite step. Recorded as diverged (NaN), not a crash of the benchmark.
+                diverged = True
+                print(f"  {method} {setting} diverged in epoch {epoch}: {str(error).splitlines()[0][:120]}")
         elapsed += time.perf_counter() - start
-        scores = problem.score(*stepper.state())
-        if not all(math.isfinite(v) for v in scores.values()):
-            scores = {key: float("nan") for key in scores}
+        scores = problem.score(*stepper.state()) if not diverged else {}
+        if diverged or not all(math.isfinite(v) for v in scores.values()):
+            diverged = True
+            scores = {key: float("nan") for key in ("w2", "w2_ratio", "gap", "gap_own", "ari")}
         rows.append(
             {
                 "purity": problem.purity,
@@ -434,7 +455,11 @@ def runs_for(
         "rmsprop": ("SVI+RMSprop", pyro.optim.RMSprop, floats(args.rmsprop_lrs), 1.0),
         "sgd": ("SVI+SGD", pyro.optim.SGD, floats(args.sgd_lrs), args.num_components / problem.data.shape[0]),
     }
-    for key in [k.strip() for k in args.optimizers.split(",") if k.strip()]:
+    svi_seeds = ints(args.svi_seeds) if args.svi_seeds.strip() else None
+    optimizer_keys = [k.strip() for k in args.optimizers.split(",") if k.strip()]
+    if svi_seeds is not None and problem.seed not in svi_seeds:
+        optimizer_keys = []
+    for key in optimizer_keys:
         if key not in optimizers:
             raise ValueError(f"Invalid optimizer {key!r} in --optimizers; use adam, rmsprop, sgd")
         name, optim, grid, unit = optimizers[key]
@@ -448,7 +473,7 @@ def runs_for(
                     lambda optim=optim, lr=lr: PyroStepper(
                         SVI(gmm.model, gmm.guide, optim({"lr": lr}), elbo())
                     ),
-                    epochs,
+                    args.svi_epochs or epochs,
                 )
             )
     for rule in rules:
@@ -507,6 +532,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                 "first_epoch_s": statistics.fmean(h[0]["seconds"] for h in histories),
                 "s_per_epoch": statistics.median(steady),
                 "grid_size": len(candidates),
+                "diverged_settings": sum(not math.isfinite(c[0]) for c in candidates),
             }
         )
     return table
@@ -567,7 +593,8 @@ def plot(rows: list[dict], table: list[dict], path: Path) -> None:
                 (row_axes[2], x_epochs, "gap"),
             ):
                 values = curves[key].clamp_min(1e-7) if key == "gap" else curves[key]
-                ax.plot(x, values.mean(0), style, color=colours[line["method"]], label=label)
+                marker = "o" if len(epochs) == 1 else None
+                ax.plot(x, values.mean(0), style, marker=marker, color=colours[line["method"]], label=label)
                 ax.fill_between(x, values.amin(0), values.amax(0), color=colours[line["method"]], alpha=0.2)
         row_axes[0].set(
             xlabel="epoch", ylabel="W2 / W2 of CAVI optimum", yscale="log", title=f"purity {purity:g}"
@@ -588,6 +615,31 @@ def plot(rows: list[dict], table: list[dict], path: Path) -> None:
 
 # --------------------------------------------------------------------------- main
 
+NUMERIC = {"purity": float, "seed": int, "num_data": int, "epoch": int}
+
+
+def write_rows(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_rows(paths: str) -> list[dict]:
+    """Per-epoch rows of earlier runs, with their numbers parsed back."""
+    rows = []
+    for path in [p.strip() for p in paths.split(",") if p.strip()]:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                rows.append(
+                    {
+                        key: value if key in ("method", "setting") else NUMERIC.get(key, float)(value)
+                        for key, value in row.items()
+                    }
+                )
+    return rows
+
 
 def main(args: argparse.Namespace) -> list[dict]:
     torch.set_num_threads(args.threads)
@@ -596,9 +648,9 @@ def main(args: argparse.Namespace) -> list[dict]:
     unknown = wanted - set(METHODS)
     if unknown:
         raise ValueError(f"Invalid --methods {sorted(unknown)}; choose from {list(METHODS)}")
-    rows = []
-    seeds = ints(args.seeds)
-    for purity in floats(args.purities):
+    rows = read_rows(args.from_csv) if args.from_csv.strip() else []
+    seeds = [] if rows else ints(args.seeds)
+    for purity in floats(args.purities) if seeds else []:
         for seed in seeds:
             datasets = [(make_problem(args.num_data, purity, seed, args), False)]
             if args.generic_num_data > 0 and seed == seeds[0]:
@@ -622,12 +674,9 @@ def main(args: argparse.Namespace) -> list[dict]:
                         flush=True,
                     )
                     rows += history
+                    write_rows(rows, Path(args.out) / "gmm_biased_batches.csv")  # partial results survive
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "gmm_biased_batches.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(rows, out / "gmm_biased_batches.csv")
     table = summarise(rows)
     with open(out / "gmm_biased_batches_table.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(table[0]))
