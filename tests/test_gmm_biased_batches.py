@@ -81,6 +81,17 @@ def test_gmm_biased_batches_tiny(tmp_path):
     pytest.importorskip("matplotlib")
     assert (tmp_path / "gmm_biased_batches.png").stat().st_size > 0
 
+    # Re-reading the per-epoch CSV (how parallel parts of one run are merged) gives the same table.
+    merged = module.main(
+        module.parse_args(
+            ["--from-csv", str(tmp_path / "gmm_biased_batches.csv"), "--out", str(tmp_path / "merged")]
+        )
+    )
+    assert [row["method"] for row in merged] == [row["method"] for row in table]
+    for old, new in zip(table, merged):
+        assert new["final_w2"] == pytest.approx(old["final_w2"], rel=1e-12)
+        assert new["epochs_to_1.1x_cavi_w2"] == old["epochs_to_1.1x_cavi_w2"]
+
 
 def test_help_explains_every_option(capsys):
     module = load()
