@@ -342,8 +342,10 @@ def train(
     make_stepper: Callable[[], Stepper],
     epochs: int,
     quiet: bool,
+    progress_path: Path | None = None,
 ) -> list[dict]:
-    """Run one method for ``epochs`` passes; score after every epoch."""
+    """Run one method for ``epochs`` passes; score after every epoch (appended to
+    ``progress_path`` as it comes, so a run stopped early leaves its epochs behind)."""
     pyro.clear_param_store()
     pyro.set_rng_seed(problem.seed)
     stepper = make_stepper()
@@ -389,6 +391,14 @@ def train(
                 "cavi_w2": problem.cavi_w2,
             }
         )
+        if progress_path is not None:
+            new_file = not progress_path.exists()
+            progress_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(progress_path, "a", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(rows[-1]))
+                if new_file:
+                    writer.writeheader()
+                writer.writerow(rows[-1])
     detail = stepper.describe()
     if detail:
         for row in rows:
@@ -666,7 +676,15 @@ def main(args: argparse.Namespace) -> list[dict]:
                 for method, setting, make_stepper, epochs in runs_for(problem, args, generic):
                     if wanted and method not in wanted:
                         continue
-                    history = train(problem, method, setting, make_stepper, epochs, args.quiet)
+                    history = train(
+                        problem,
+                        method,
+                        setting,
+                        make_stepper,
+                        epochs,
+                        args.quiet,
+                        Path(args.out) / "gmm_biased_batches_progress.csv",
+                    )
                     last = history[-1]
                     print(
                         f"  {method} {last['setting']}: W2/W2* {last['w2_ratio']:.3f}, gap {last['gap']:.2e} "
