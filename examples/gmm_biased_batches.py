@@ -37,10 +37,13 @@ the one reported in the table; every setting is in the CSV. Outputs under ``--ou
 (the table) and ``gmm_biased_batches.png`` (W2 ratio against epochs and seconds, and
 the ELBO gap, mean and min-max band over seeds, best setting of each method).
 
-The flagship run (several minutes per seed and purity on one thread)::
+The flagship configuration (tens of minutes per seed and purity on one thread, most of
+it Pyro SVI with 16 particles on 100 blocks per epoch; ``docs/benchmarks.md`` section 5
+shows how it was split into parallel parts with ``--methods`` and merged with
+``--from-csv``)::
 
     python examples/gmm_biased_batches.py --num-data 100000 --epochs 30 --seeds 0,1,2 \\
-        --purities 0.95,1.0 --generic-num-data 10000 --generic-epochs 10 --out results
+        --purities 0.95,1.0 --generic-num-data 5000 --generic-epochs 10 --out results
 """
 
 from __future__ import annotations
