@@ -16,12 +16,14 @@ from .gmm import (
     prior_from_data,
     wasserstein_gmm,
 )
+from .gmm_svi import GMMNaturalGradientSVI
 
 __all__ = [
     "BiasedGMMData",
     "CAVIResult",
     "GMMBlockSolver",
     "GMMModel",
+    "GMMNaturalGradientSVI",
     "GMMPrior",
     "adjusted_rand_index",
     "block_negative_elbo",

@@ -1,0 +1,713 @@
+"""The flagship benchmark: the Bayesian GMM of the paper's App. C.2 on biased blocks,
+every baseline of its Sec. 5 side by side.
+
+Data (``make_biased_gmm``): N points, K components in d dimensions with equal weights,
+cut into fixed blocks that each hold mostly one cluster (``--purities``: the share of a
+block's dominant cluster; 1.0 gives pure blocks). Every method starts from the same
+initial means (K random data points) and sees the same blocks in the same fresh random
+order each epoch (one epoch = one pass over the data):
+
+* CAVI      full-batch coordinate ascent, one sweep per epoch; run to convergence
+            (``--cavi-iterations``) it is the optimum every method is measured against.
+* NG-SVI    Hoffman et al. (2013) natural-gradient SVI (``GMMNaturalGradientSVI``), one
+            block per step, decaying Robbins-Monro steps ``(t + tau)^-kappa`` or a
+            constant step, each over a small grid.
+* Pyro SVI  ``pyro.infer.SVI`` with Adam, RMSprop and SGD on ``GMMModel`` (the guide
+            enumerates z; ``TraceEnum_ELBO(max_plate_nesting=1, num_particles=P,
+            vectorize_particles=True)``), each over a learning-rate grid.
+* PD-VI / P2D-VI  ``pyro_pdvi.PDVI`` with ``eta="auto"`` (no tuning): one step-size
+            group (PD-VI) or one per site (P2D-VI, ``groups="per_site"``), with the
+            closed-form block solver ``GMMBlockSolver`` and, on a reduced data set
+            (``--generic-num-data``, first seed only), through the generic Pyro path
+            (L-BFGS primal solve of the same ELBO), which costs about 1 s per 1,000
+            points per epoch on one CPU thread.
+
+Metrics after every epoch: W2 between the true mixture N(c_k, Sigma_0) and the fitted
+predictive components N(m_k, Sigma_0 + diag(exp(rho_k))) (paper Fig. 3), also as a
+ratio to the CAVI optimum's W2; the relative gap of the exact negative ELBO to the CAVI
+optimum, with the local q(z) re-solved in closed form (judges q(c) alone, the same for
+every method) and with the method's own q(z) (the param store's ``alpha`` for Pyro SVI
+and PDVI); and the adjusted Rand index of the hard assignments argmax q(z) (re-solved)
+against the true labels. Seconds count only the steps (not the metrics), first-epoch
+one-off costs included (PDVI's curvature measurement for ``eta="auto"``).
+
+Where a method has a grid, the setting with the lowest final W2 (mean over seeds) is
+the one reported in the table; every setting is in the CSV. Outputs under ``--out``:
+``gmm_biased_batches.csv`` (every epoch of every run), ``gmm_biased_batches_table.csv``
+(the table) and ``gmm_biased_batches.png`` (W2 ratio against epochs and seconds, and
+the ELBO gap, mean and min-max band over seeds, best setting of each method).
+
+The flagship configuration (tens of minutes per seed and purity on one thread, most of
+it Pyro SVI with 16 particles on 100 blocks per epoch; ``docs/benchmarks.md`` section 8
+shows how it was split into parallel parts with ``--methods`` and merged with
+``--from-csv``)::
+
+    python examples/gmm_biased_batches.py --num-data 100000 --epochs 30 --seeds 0,1,2 \\
+        --purities 0.95,1.0 --generic-num-data 5000 --generic-epochs 10 --out results
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyro
+import torch
+from pyro.infer import SVI, TraceEnum_ELBO
+
+from pyro_pdvi import PDVI
+from pyro_pdvi.models import (
+    GMMBlockSolver,
+    GMMModel,
+    GMMNaturalGradientSVI,
+    adjusted_rand_index,
+    cavi,
+    make_biased_gmm,
+    negative_elbo,
+    predictive_components,
+    wasserstein_gmm,
+)
+from pyro_pdvi.models.gmm import expected_log_likelihood
+
+#: Method names in table order.
+METHODS = (
+    "CAVI",
+    "NG-SVI decaying",
+    "NG-SVI constant",
+    "SVI+Adam",
+    "SVI+RMSprop",
+    "SVI+SGD",
+    "PD-VI closed-form",
+    "P2D-VI closed-form",
+    "PD-VI generic",
+    "P2D-VI generic",
+)
+
+
+def floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def pairs(text: str) -> list[tuple[float, float]]:
+    out = []
+    for item in text.split(","):
+        tau, kappa = item.split(":")
+        out.append((float(tau), float(kappa)))
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    data = parser.add_argument_group("data")
+    data.add_argument("--num-data", type=int, default=10000, help="N, data points (flagship: 100000)")
+    data.add_argument("--num-components", type=int, default=5, help="K, mixture components")
+    data.add_argument("--dim", type=int, default=10, help="d, data dimension")
+    data.add_argument("--block-size", type=int, default=1000, help="points per fixed block (one step)")
+    data.add_argument(
+        "--purities", default="0.95,1.0", help="comma list: share of each block from its dominant cluster"
+    )
+    data.add_argument("--separation", type=float, default=1.0, help="prior sd of the true centres / noise sd")
+    data.add_argument("--seeds", default="0", help="comma list of seeds (data, initial means, block order)")
+    run = parser.add_argument_group("run")
+    run.add_argument("--epochs", type=int, default=10, help="passes over the data for every method")
+    run.add_argument(
+        "--cavi-iterations", type=int, default=5000, help="max CAVI sweeps for the reference optimum"
+    )
+    run.add_argument("--particles", type=int, default=16, help="vectorized ELBO particles (Pyro SVI, PDVI)")
+    run.add_argument(
+        "--optimizers",
+        default="adam,rmsprop,sgd",
+        help="Pyro SVI optimizers to run (comma list of adam, rmsprop, sgd; empty for none)",
+    )
+    run.add_argument(
+        "--svi-seeds",
+        default="",
+        help="comma list: seeds on which the Pyro SVI runs (the costly ones) are made; all seeds if empty",
+    )
+    run.add_argument("--svi-epochs", type=int, default=0, help="epochs of the Pyro SVI runs; --epochs if 0")
+    run.add_argument("--adam-lrs", default="0.01,0.03,0.1", help="learning-rate grid of SVI+Adam")
+    run.add_argument("--rmsprop-lrs", default="0.003,0.01,0.03", help="learning-rate grid of SVI+RMSprop")
+    run.add_argument(
+        "--sgd-lrs",
+        default="0.1,0.3,1.0",
+        help="SGD grid in units of K/N, the inverse curvature of the loss in a mean with N/K points "
+        "(so 1.0 is a Newton step in m for balanced clusters; the lr passed to SGD is value*K/N)",
+    )
+    run.add_argument(
+        "--ng-decaying",
+        default="1:0.55,1:0.7,10:0.7,100:0.7",
+        help="NG-SVI Robbins-Monro grid, comma list of tau:kappa for rho_t = (t + tau)^-kappa",
+    )
+    run.add_argument("--ng-constant", default="0.01,0.03,0.1,0.3", help="NG-SVI constant step grid")
+    run.add_argument(
+        "--global-update",
+        default="paper",
+        help="PDVI global update(s), comma list of paper, consensus (GMMBlockSolver recommends paper)",
+    )
+    run.add_argument("--eta-scale", type=float, default=2.0, help="PDVI eta = eta_scale / measured curvature")
+    run.add_argument(
+        "--curvature-blocks", type=int, default=4, help="blocks PDVI's eta='auto' measures (max is used)"
+    )
+    run.add_argument(
+        "--curvature-iterations", type=int, default=6, help="power iterations of PDVI's eta='auto'"
+    )
+    run.add_argument("--sweeps", type=int, default=10, help="coordinate-descent sweeps of GMMBlockSolver")
+    run.add_argument(
+        "--generic-num-data",
+        type=int,
+        default=2000,
+        help="N of the reduced data set for PDVI through the generic Pyro path, first seed only "
+        "(0 skips it; it costs about 1 s per 1,000 points per epoch)",
+    )
+    run.add_argument("--generic-epochs", type=int, default=5, help="epochs of the generic-path PDVI runs")
+    run.add_argument("--inner-steps", type=int, default=10, help="L-BFGS iterations of a generic PDVI solve")
+    run.add_argument(
+        "--methods",
+        default="",
+        help="comma list to run only some methods (names as in the table); all if empty",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", default="results", help="folder for the CSVs and the plot")
+    out.add_argument(
+        "--from-csv",
+        default="",
+        help="comma list of per-epoch CSVs written by earlier runs (e.g. parts of one configuration run in "
+        "parallel processes): run nothing, merge them, print the table and plot",
+    )
+    out.add_argument("--quiet", action="store_true", help="no progress bars")
+    out.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    out.add_argument("--device", default="cpu", help="torch device of the data and params, e.g. cuda")
+    return parser.parse_args(argv)
+
+
+# --------------------------------------------------------------------------- problem and metrics
+
+
+@dataclass
+class Problem:
+    """One data set with its CAVI reference, and the metrics of a fitted q(c)."""
+
+    purity: float
+    seed: int
+    synthetic: object
+    gmm: GMMModel
+    cavi_loss: float = 0.0
+    cavi_w2: float = 0.0
+    cavi_sweeps: int = 0
+    cavi_converged: bool = False
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.synthetic.data
+
+    @property
+    def prior(self):
+        return self.synthetic.prior
+
+    @property
+    def blocks(self) -> list[torch.Tensor]:
+        return self.synthetic.blocks
+
+    def w2(self, m: torch.Tensor, rho: torch.Tensor) -> float:
+        true_var = self.prior.sigma0_sq.expand_as(self.synthetic.centers)
+        return wasserstein_gmm(self.synthetic.centers, true_var, *predictive_components(self.prior, m, rho))
+
+    @torch.no_grad()
+    def score(self, m: torch.Tensor, rho: torch.Tensor, own_alpha: torch.Tensor | None = None) -> dict:
+        m, rho = m.detach(), rho.detach()
+        alpha = torch.log_softmax(expected_log_likelihood(self.data, self.prior, m, rho), -1)
+        loss = float(negative_elbo(self.data, self.prior, m, rho, alpha))
+        own = loss if own_alpha is None else float(negative_elbo(self.data, self.prior, m, rho, own_alpha))
+        w2 = self.w2(m, rho)
+        scale = abs(self.cavi_loss)
+        return {
+            "w2": w2,
+            "w2_ratio": w2 / self.cavi_w2,
+            "gap": (loss - self.cavi_loss) / scale,
+            "gap_own": (own - self.cavi_loss) / scale,
+            "ari": adjusted_rand_index(self.synthetic.labels, alpha.argmax(-1)),
+        }
+
+
+def make_problem(num_data: int, purity: float, seed: int, args: argparse.Namespace) -> Problem:
+    synthetic = make_biased_gmm(
+        num_data,
+        args.num_components,
+        args.dim,
+        args.block_size,
+        purity,
+        seed=seed,
+        separation=args.separation,
+    )
+    synthetic = synthetic._replace(
+        data=synthetic.data.to(args.device),
+        prior=synthetic.prior.to(device=args.device),
+        centers=synthetic.centers.to(args.device),
+    )
+    gmm = GMMModel(synthetic.data, synthetic.prior, seed=seed)
+    reference = cavi(
+        synthetic.data,
+        synthetic.prior,
+        m=gmm.init_means.clone(),
+        rho=gmm.init_log_variances.clone(),
+        num_iterations=args.cavi_iterations,
+    )
+    problem = Problem(purity, seed, synthetic, gmm)
+    problem.cavi_loss = float(reference.losses[-1])
+    problem.cavi_w2 = problem.w2(reference.m, reference.rho)
+    problem.cavi_sweeps = len(reference.losses)
+    problem.cavi_converged = reference.converged
+    return problem
+
+
+# --------------------------------------------------------------------------- the methods
+
+
+class Stepper:
+    """A method as the training loop sees it: ``step(block)`` and ``state() -> (m, rho, alpha)``."""
+
+    per_epoch = False
+
+    def step(self, block: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return ""
+
+
+class CAVIStepper(Stepper):
+    per_epoch = True
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self.m = problem.gmm.init_means.clone()
+        self.rho = problem.gmm.init_log_variances.clone()
+
+    def step(self, block=None) -> None:
+        sweep = cavi(self.problem.data, self.problem.prior, m=self.m, rho=self.rho, num_iterations=1)
+        self.m, self.rho = sweep.m, sweep.rho
+
+    def state(self):
+        return self.m, self.rho, None
+
+
+class NaturalGradientStepper(Stepper):
+    def __init__(self, problem: Problem, **schedule) -> None:
+        gmm = problem.gmm
+        self.svi = GMMNaturalGradientSVI(
+            problem.data, problem.prior, gmm.init_means, gmm.init_log_variances, **schedule
+        )
+
+    def step(self, block) -> None:
+        self.svi.step(block)
+
+    def state(self):
+        return self.svi.m, self.svi.rho, None
+
+
+class PyroStepper(Stepper):
+    """Pyro's SVI or PDVI: both take the block as the data plate's subsample."""
+
+    def __init__(self, algorithm) -> None:
+        self.algorithm = algorithm
+
+    def step(self, block) -> None:
+        self.algorithm.step(block)
+
+    def state(self):
+        return pyro.param("m"), pyro.param("rho"), pyro.param("alpha")
+
+    def describe(self) -> str:
+        if isinstance(self.algorithm, PDVI):
+            return "eta " + ", ".join(f"{name}={eta:.3g}" for name, eta in self.algorithm.step_sizes.items())
+        return ""
+
+
+def train(
+    problem: Problem,
+    method: str,
+    setting: str,
+    make_stepper: Callable[[], Stepper],
+    epochs: int,
+    quiet: bool,
+    progress_path: Path | None = None,
+) -> list[dict]:
+    """Run one method for ``epochs`` passes; score after every epoch (appended to
+    ``progress_path`` as it comes, so a run stopped early leaves its epochs behind)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(problem.seed)
+    stepper = make_stepper()
+    order = torch.Generator().manual_seed(problem.seed)
+    blocks = problem.blocks
+    rows, elapsed = [], 0.0
+    progress = range(1, epochs + 1)
+    if not quiet:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(progress, desc=f"p={problem.purity} s={problem.seed} {method} {setting}", leave=False)
+    diverged = False
+    for epoch in progress:
+        permutation = torch.randperm(len(blocks), generator=order).tolist()
+        start = time.perf_counter()
+        if not diverged:
+            try:
+                if stepper.per_epoch:
+                    stepper.step()
+                else:
+                    for b in permutation:
+                        stepper.step(blocks[b])
+            except (ValueError, RuntimeError) as error:
+                # A learning rate too large for the grid: Pyro refuses a non-positive scale,
+                # PDVI a non-finite step. Recorded as diverged (NaN), not a crash of the benchmark.
+                diverged = True
+                print(f"  {method} {setting} diverged in epoch {epoch}: {str(error).splitlines()[0][:120]}")
+        elapsed += time.perf_counter() - start
+        scores = problem.score(*stepper.state()) if not diverged else {}
+        if diverged or not all(math.isfinite(v) for v in scores.values()):
+            diverged = True
+            scores = {key: float("nan") for key in ("w2", "w2_ratio", "gap", "gap_own", "ari")}
+        rows.append(
+            {
+                "purity": problem.purity,
+                "seed": problem.seed,
+                "num_data": problem.data.shape[0],
+                "method": method,
+                "setting": setting,
+                "epoch": epoch,
+                "seconds": elapsed,
+                **scores,
+                "cavi_w2": problem.cavi_w2,
+            }
+        )
+        if progress_path is not None:
+            new_file = not progress_path.exists()
+            progress_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(progress_path, "a", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(rows[-1]))
+                if new_file:
+                    writer.writeheader()
+                writer.writerow(rows[-1])
+    detail = stepper.describe()
+    if detail:
+        for row in rows:
+            row["setting"] = f"{setting} ({detail})" if setting else detail
+    return rows
+
+
+def runs_for(
+    problem: Problem, args: argparse.Namespace, generic: bool
+) -> list[tuple[str, str, Callable, int]]:
+    """``(method, setting, make_stepper, epochs)`` for every run on ``problem``."""
+    gmm, epochs = problem.gmm, args.epochs
+
+    def elbo():
+        return TraceEnum_ELBO(max_plate_nesting=1, num_particles=args.particles, vectorize_particles=True)
+
+    def pdvi(groups, rule, local_solver):
+        return lambda: PyroStepper(
+            PDVI(
+                gmm.model,
+                gmm.guide,
+                pyro.optim.Adam({"lr": 0.01}),  # unused by a local solver or L-BFGS; PDVI requires one
+                elbo(),
+                blocks=problem.blocks,
+                eta="auto",
+                groups=groups,
+                eta_scale=args.eta_scale,
+                global_update=rule,
+                inner_steps=args.inner_steps,
+                local_solver=local_solver,
+                curvature_blocks=args.curvature_blocks,
+                curvature_iterations=args.curvature_iterations,
+            )
+        )
+
+    rules = [r.strip() for r in args.global_update.split(",") if r.strip()]
+    runs = []
+    if generic:
+        for rule in rules:
+            runs.append(("PD-VI generic", rule, pdvi(None, rule, None), args.generic_epochs))
+            runs.append(("P2D-VI generic", rule, pdvi("per_site", rule, None), args.generic_epochs))
+        return runs
+    runs.append(("CAVI", "full batch", lambda: CAVIStepper(problem), epochs))
+    for tau, kappa in pairs(args.ng_decaying):
+        runs.append(
+            (
+                "NG-SVI decaying",
+                f"tau={tau:g} kappa={kappa:g}",
+                lambda tau=tau, kappa=kappa: NaturalGradientStepper(problem, tau=tau, kappa=kappa),
+                epochs,
+            )
+        )
+    for step in floats(args.ng_constant):
+        runs.append(
+            (
+                "NG-SVI constant",
+                f"step={step:g}",
+                lambda step=step: NaturalGradientStepper(problem, step_size=step),
+                epochs,
+            )
+        )
+    optimizers = {
+        "adam": ("SVI+Adam", pyro.optim.Adam, floats(args.adam_lrs), 1.0),
+        "rmsprop": ("SVI+RMSprop", pyro.optim.RMSprop, floats(args.rmsprop_lrs), 1.0),
+        "sgd": ("SVI+SGD", pyro.optim.SGD, floats(args.sgd_lrs), args.num_components / problem.data.shape[0]),
+    }
+    svi_seeds = ints(args.svi_seeds) if args.svi_seeds.strip() else None
+    optimizer_keys = [k.strip() for k in args.optimizers.split(",") if k.strip()]
+    if svi_seeds is not None and problem.seed not in svi_seeds:
+        optimizer_keys = []
+    for key in optimizer_keys:
+        if key not in optimizers:
+            raise ValueError(f"Invalid optimizer {key!r} in --optimizers; use adam, rmsprop, sgd")
+        name, optim, grid, unit = optimizers[key]
+        for value in grid:
+            lr = value * unit
+            setting = f"lr={value:g}xK/N" if key == "sgd" else f"lr={lr:g}"
+            runs.append(
+                (
+                    name,
+                    setting,
+                    lambda optim=optim, lr=lr: PyroStepper(
+                        SVI(gmm.model, gmm.guide, optim({"lr": lr}), elbo())
+                    ),
+                    args.svi_epochs or epochs,
+                )
+            )
+    for rule in rules:
+        solver = GMMBlockSolver(problem.data, problem.prior, num_sweeps=args.sweeps)
+        runs.append(("PD-VI closed-form", rule, pdvi(None, rule, solver), epochs))
+        runs.append(("P2D-VI closed-form", rule, pdvi("per_site", rule, solver), epochs))
+    return runs
+
+
+# --------------------------------------------------------------------------- the table and the plot
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """One line per (purity, method): the setting with the lowest mean final W2 over seeds."""
+    runs: dict[tuple, list[list[dict]]] = {}
+    for row in rows:
+        runs.setdefault((row["purity"], row["method"], row["setting"].split(" (")[0]), {}).setdefault(
+            row["seed"], []
+        ).append(row)
+    by_method: dict[tuple, list[tuple[float, str, list[list[dict]]]]] = {}
+    for (purity, method, setting), seeds in runs.items():
+        histories = list(seeds.values())
+        final = statistics.fmean(
+            h[-1]["w2_ratio"] if math.isfinite(h[-1]["w2_ratio"]) else math.inf for h in histories
+        )
+        by_method.setdefault((purity, method), []).append((final, setting, histories))
+    table = []
+    for (purity, method), candidates in sorted(
+        by_method.items(), key=lambda item: (item[0][0], METHODS.index(item[0][1]))
+    ):
+        final, setting, histories = min(candidates, key=lambda c: c[0])
+        reached = []
+        for history in histories:
+            hit = next((r["epoch"] for r in history if r["w2_ratio"] <= 1.1), None)
+            reached.append("-" if hit is None else str(hit))
+        lasts = [h[-1] for h in histories]
+        steady = [
+            (h[-1]["seconds"] - h[0]["seconds"]) / (h[-1]["epoch"] - 1) if len(h) > 1 else h[0]["seconds"]
+            for h in histories
+        ]
+        table.append(
+            {
+                "purity": purity,
+                "method": method,
+                "setting": histories[0][-1]["setting"],
+                "N": lasts[0]["num_data"],
+                "epochs": lasts[0]["epoch"],
+                "seeds": len(histories),
+                "epochs_to_1.1x_cavi_w2": " ".join(reached),
+                "final_w2": statistics.fmean(r["w2"] for r in lasts),
+                "cavi_w2": statistics.fmean(r["cavi_w2"] for r in lasts),
+                "final_w2_ratio": statistics.fmean(r["w2_ratio"] for r in lasts),
+                "final_gap": statistics.fmean(r["gap"] for r in lasts),
+                "final_gap_own_qz": statistics.fmean(r["gap_own"] for r in lasts),
+                "final_ari": statistics.fmean(r["ari"] for r in lasts),
+                "first_epoch_s": statistics.fmean(h[0]["seconds"] for h in histories),
+                "s_per_epoch": statistics.median(steady),
+                "grid_size": len(candidates),
+                "diverged_settings": sum(not math.isfinite(c[0]) for c in candidates),
+            }
+        )
+    return table
+
+
+def print_table(table: list[dict]) -> None:
+    header = (
+        "| purity | method | best setting | N | epochs | epochs to W2<=1.1xW2* (per seed) | final W2 (W2*) | "
+        "W2/W2* | -ELBO gap (q(z) re-solved) | -ELBO gap (own q(z)) | ARI | first epoch s | s/epoch |"
+    )
+    print(header + "\n|" + "---|" * 13)
+    for r in table:
+        print(
+            f"| {r['purity']:g} | {r['method']} | {r['setting']} | {r['N']} | {r['epochs']} | "
+            f"{r['epochs_to_1.1x_cavi_w2']} | {r['final_w2']:.4f} ({r['cavi_w2']:.4f}) | "
+            f"{r['final_w2_ratio']:.3f} | {r['final_gap']:.2e} | {r['final_gap_own_qz']:.2e} | "
+            f"{r['final_ari']:.3f} | {r['first_epoch_s']:.2f} | {r['s_per_epoch']:.3f} |"
+        )
+
+
+def plot(rows: list[dict], table: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    purities = sorted({r["purity"] for r in table})
+    fig, axes = plt.subplots(len(purities), 3, figsize=(16, 4.2 * len(purities)), squeeze=False)
+    colours = {method: f"C{i}" for i, method in enumerate(METHODS)}
+    for row_axes, purity in zip(axes, purities):
+        for line in (r for r in table if r["purity"] == purity):
+            setting = line["setting"]
+            chosen = [
+                r
+                for r in rows
+                if r["purity"] == purity and r["method"] == line["method"] and r["setting"] == setting
+            ]
+            seeds = sorted({r["seed"] for r in chosen})
+            epochs = sorted({r["epoch"] for r in chosen})
+            curves = {
+                key: torch.tensor(
+                    [
+                        [next(r[key] for r in chosen if r["seed"] == s and r["epoch"] == e) for e in epochs]
+                        for s in seeds
+                    ]
+                )
+                for key in ("w2_ratio", "seconds", "gap")
+            }
+            style = "--" if "generic" in line["method"] else "-"
+            label = f"{line['method']} ({setting.split(' (')[0]})"
+            x_epochs = torch.tensor(epochs, dtype=torch.float64)
+            for ax, x, key in (
+                (row_axes[0], x_epochs, "w2_ratio"),
+                (row_axes[1], curves["seconds"].mean(0), "w2_ratio"),
+                (row_axes[2], x_epochs, "gap"),
+            ):
+                values = curves[key].clamp_min(1e-7) if key == "gap" else curves[key]
+                marker = "o" if len(epochs) == 1 else None
+                ax.plot(x, values.mean(0), style, marker=marker, color=colours[line["method"]], label=label)
+                ax.fill_between(x, values.amin(0), values.amax(0), color=colours[line["method"]], alpha=0.2)
+        row_axes[0].set(
+            xlabel="epoch", ylabel="W2 / W2 of CAVI optimum", yscale="log", title=f"purity {purity:g}"
+        )
+        row_axes[1].set(
+            xlabel="seconds (1 thread, steps only)", ylabel="W2 / W2 of CAVI optimum", yscale="log"
+        )
+        row_axes[1].set_xscale("log")
+        row_axes[2].set(xlabel="epoch", ylabel="relative -ELBO gap to CAVI (q(z) re-solved)", yscale="log")
+        for ax in row_axes[:2]:
+            ax.axhline(1.1, color="grey", lw=0.8, ls=":")
+        row_axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+# --------------------------------------------------------------------------- main
+
+NUMERIC = {"purity": float, "seed": int, "num_data": int, "epoch": int}
+
+
+def write_rows(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_rows(paths: str) -> list[dict]:
+    """Per-epoch rows of earlier runs, with their numbers parsed back."""
+    rows = []
+    for path in [p.strip() for p in paths.split(",") if p.strip()]:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                rows.append(
+                    {
+                        key: value if key in ("method", "setting") else NUMERIC.get(key, float)(value)
+                        for key, value in row.items()
+                    }
+                )
+    return rows
+
+
+def main(args: argparse.Namespace) -> list[dict]:
+    torch.set_num_threads(args.threads)
+    torch.set_default_dtype(torch.float64)
+    wanted = {m.strip() for m in args.methods.split(",") if m.strip()}
+    unknown = wanted - set(METHODS)
+    if unknown:
+        raise ValueError(f"Invalid --methods {sorted(unknown)}; choose from {list(METHODS)}")
+    rows = read_rows(args.from_csv) if args.from_csv.strip() else []
+    seeds = [] if rows else ints(args.seeds)
+    for purity in floats(args.purities) if seeds else []:
+        for seed in seeds:
+            datasets = [(make_problem(args.num_data, purity, seed, args), False)]
+            if args.generic_num_data > 0 and seed == seeds[0]:
+                datasets.append((make_problem(args.generic_num_data, purity, seed, args), True))
+            for problem, generic in datasets:
+                print(
+                    f"purity {purity:g} seed {seed}: N={problem.data.shape[0]} K={args.num_components} "
+                    f"d={args.dim} blocks={len(problem.blocks)}x{args.block_size}; CAVI optimum -ELBO "
+                    f"{problem.cavi_loss:.2f}, W2 {problem.cavi_w2:.4f} after {problem.cavi_sweeps} sweeps "
+                    f"(converged: {problem.cavi_converged}); threads={torch.get_num_threads()}",
+                    flush=True,
+                )
+                for method, setting, make_stepper, epochs in runs_for(problem, args, generic):
+                    if wanted and method not in wanted:
+                        continue
+                    history = train(
+                        problem,
+                        method,
+                        setting,
+                        make_stepper,
+                        epochs,
+                        args.quiet,
+                        Path(args.out) / "gmm_biased_batches_progress.csv",
+                    )
+                    last = history[-1]
+                    print(
+                        f"  {method} {last['setting']}: W2/W2* {last['w2_ratio']:.3f}, gap {last['gap']:.2e} "
+                        f"after {last['epoch']} epochs, {last['seconds']:.1f} s",
+                        flush=True,
+                    )
+                    rows += history
+                    write_rows(rows, Path(args.out) / "gmm_biased_batches.csv")  # partial results survive
+    out = Path(args.out)
+    write_rows(rows, out / "gmm_biased_batches.csv")
+    table = summarise(rows)
+    with open(out / "gmm_biased_batches_table.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+    print()
+    print_table(table)
+    plot(rows, table, out / "gmm_biased_batches.png")
+    return table
+
+
+if __name__ == "__main__":
+    main(parse_args())
