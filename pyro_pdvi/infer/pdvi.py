@@ -679,17 +679,34 @@ class PDVI:
     def _commit(self, solved: StepSolution) -> float:
         """Dual and global update from the step's primal solutions; write the param store.
 
+        One synchronisation with the host (and, across processes, one all-reduce) reads
+        the step's loss and whether anything is not finite together.
+
         :returns: the step's loss as :meth:`step` returns it.
         """
         all_reduce = None if type(self)._all_reduce is PDVI._all_reduce else self._all_reduce
         self._state.global_update = self._rule_for_step()
         update = self._state.propose(solved.block_ids, solved.copies, all_reduce)
-        self._refuse_non_finite(solved, update)
+        tensors = [solved.losses, update.copies, update.duals, update.consensus, *solved.local.values()]
+        finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+        counts = [float(self.partition.sizes[solved.block_ids].sum()), float(len(solved.block_ids))]
+        summary = torch.cat(
+            [
+                (~finite).to(solved.losses.dtype).reshape(1),
+                solved.losses.sum().reshape(1),
+                solved.losses.new_tensor(counts),
+            ]
+        )
+        # In a step spread over processes, every process refuses if any one must.
+        failed, loss, num_indices, num_blocks = self._all_reduce(summary).tolist()
+        if failed:
+            self._refuse(solved, update, bool(finite))
         old_consensus = self._state.consensus
         old_duals = self._state.duals[update.block_ids]
         self._state.apply(update)
         self._write_param_store(solved)
         self.num_steps += 1
+        self._block_visits += int(num_blocks)
         self.diagnostics = {
             "step": self.num_steps,
             "blocks": solved.block_ids,
@@ -699,20 +716,11 @@ class PDVI:
             "step_sizes": self.step_sizes,
             "global_update": self._state.global_update,
         }
-        counts = [float(self.partition.sizes[solved.block_ids].sum()), float(len(solved.block_ids))]
-        totals = torch.cat([solved.losses.sum().reshape(1), solved.losses.new_tensor(counts)])
-        loss, num_indices, num_blocks = self._all_reduce(totals).tolist()
-        self._block_visits += int(num_blocks)
         return loss * (self.partition.num_data / num_indices)
 
-    def _refuse_non_finite(self, solved: StepSolution, update: ConsensusUpdate) -> None:
-        tensors = [solved.losses, update.copies, update.duals, update.consensus, *solved.local.values()]
-        finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
-        # In a step spread over processes, every process refuses if any one must.
-        failed = self._all_reduce((~finite).to(update.consensus.dtype).reshape(1))
-        if not bool(failed):
-            return
-        if bool(finite):
+    def _refuse(self, solved: StepSolution, update: ConsensusUpdate, finite_here: bool) -> None:
+        """Raise :class:`NonFiniteStepError` naming the block and quantity (nothing applied yet)."""
+        if finite_here:
             raise NonFiniteStepError(
                 f"PDVI step {self.num_steps + 1}: a block of another process produced a non-finite "
                 "value; the step was refused in every process and no param, dual or copy changed."
