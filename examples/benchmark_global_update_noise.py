@@ -3,11 +3,13 @@
 Model: mu ~ N(0, 10^2), theta_i ~ N(mu, 1), x_i ~ N(theta_i, 0.5^2), data sorted
 into fixed blocks, AutoNormal guide, TraceMeanField_ELBO. The target is Gaussian,
 so the mean-field optimum's mean of q(mu) is the exact posterior mean, known in
-closed form. Each PDVI run takes one block per step; after each of the last
-epochs it records the error of q(mu)'s mean. Printed: the RMS error over those
-epochs and seeds, for the paper's rule (lambda_0 = gamma + h, gamma the step's
-block copy) and the default consensus rule (gamma the mean of every block's
-latest copy), and for Pyro's SVI+Adam on the same blocks.
+closed form, and its sd is the inverse square root of the precision's mu-mu entry.
+Each PDVI run takes one block per step; after each of the last epochs it records
+the errors of q(mu)'s mean and sd. Printed: their RMS over those epochs and seeds,
+for each ``--rules`` entry (the paper's rule, lambda_0 = gamma + h with gamma the
+step's block copy; the consensus rule, gamma the mean of every block's latest copy;
+"auto", the paper's rule for ``--warmup-epochs`` then the consensus rule), and for
+Pyro's SVI+Adam on the same blocks.
 
 Example::
 

@@ -532,12 +532,12 @@ class GMMBlockSolver:
        Newton converges from any start; each iterate is also capped at
        ``rho_0 - eta_rho (mu_rho - w/2)``, an upper bound of the root.
 
-    Pass an instance as ``PDVI(..., local_solver=GMMBlockSolver(data, prior),
-    global_update="paper")`` with :class:`GMMModel`'s mean-field guide
-    (``collapsed=False``). The solve is deterministic, so the paper's global update
-    has no Monte Carlo noise to pass on, and on cluster-sorted blocks it reached the
-    CAVI optimum in 7 epochs where the default consensus rule had not in 15
-    (``docs/benchmarks.md``, section 1b). A step over several equal-size blocks goes
+    Pass an instance as ``PDVI(..., local_solver=GMMBlockSolver(data, prior))`` with
+    :class:`GMMModel`'s mean-field guide (``collapsed=False``). The solve is
+    deterministic, so the paper's global update has no Monte Carlo noise to pass on
+    (PDVI's default ``global_update="auto"`` takes it with a local solver); on
+    cluster-sorted blocks it reached the CAVI optimum in 7 epochs where the consensus
+    rule had not in 15 (``docs/benchmarks.md``, section 1b). A step over several equal-size blocks goes
     through :meth:`solve_batch`, the same sweeps vectorized over the blocks, which is
     what makes the closed-form path fast on a GPU (``docs/benchmarks.md``, section 5).
 
