@@ -11,6 +11,7 @@ from .infer import (
     ConsensusState,
     LocalSolver,
     NonFiniteStepError,
+    VectorizationError,
 )
 
 __version__ = "0.1.0"
@@ -25,5 +26,6 @@ __all__ = [
     "ConsensusState",
     "LocalSolver",
     "NonFiniteStepError",
+    "VectorizationError",
     "__version__",
 ]

@@ -4,6 +4,7 @@ from .blocks import BlockPartition
 from .consensus import ConsensusState
 from .pdvi import PDVI, NonFiniteStepError
 from .primal import BlockBatch, BlockBatchSolution, BlockProblem, BlockSolution, LocalSolver
+from .vectorized import VectorizationError
 
 __all__ = [
     "PDVI",
@@ -15,4 +16,5 @@ __all__ = [
     "ConsensusState",
     "LocalSolver",
     "NonFiniteStepError",
+    "VectorizationError",
 ]
