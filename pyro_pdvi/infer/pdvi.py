@@ -31,6 +31,7 @@ from pyro.infer import ELBO
 from pyro.optim import PyroOptim
 from pyro.poutine.runtime import NonlocalExit
 
+from ..checks import check_positive_int
 from .blocks import BlockPartition
 from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate
 from .handlers import FixedNoise, is_subsample_site
@@ -57,12 +58,6 @@ from .vectorized import BatchedBlockObjective, VectorizedBlockSolver
 
 class NonFiniteStepError(RuntimeError):
     """A step produced a non-finite loss or update; nothing was changed."""
-
-
-def _check_positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Invalid {name}: {value!r}; use a positive int")
-    return value
 
 
 class StepSolution(NamedTuple):
@@ -224,11 +219,11 @@ class PDVI:
         self.warmup_epochs = float(warmup_epochs)
         self._block_visits = 0
         self.inner_solver = inner_solver
-        self.inner_steps = _check_positive_int(inner_steps, "inner_steps")
+        self.inner_steps = check_positive_int(inner_steps, "inner_steps")
         self.local_solver = local_solver
         self.plate_name = plate_name
-        self.curvature_blocks = _check_positive_int(curvature_blocks, "curvature_blocks")
-        self.curvature_iterations = _check_positive_int(curvature_iterations, "curvature_iterations")
+        self.curvature_blocks = check_positive_int(curvature_blocks, "curvature_blocks")
+        self.curvature_iterations = check_positive_int(curvature_iterations, "curvature_iterations")
         self.vectorize_blocks = vectorize_blocks
         self.num_steps = 0
         self.diagnostics: dict[str, Any] = {}

@@ -46,6 +46,7 @@ import pyro.distributions as dist
 import torch
 from pyro.ops.indexing import Vindex
 
+from ..checks import check_positive_int
 from ..infer.primal import BlockBatch, BlockBatchSolution, BlockProblem, BlockSolution
 
 LOG_2PI = math.log(2.0 * math.pi)
@@ -166,8 +167,7 @@ def make_biased_gmm(
         ("dim", dim),
         ("block_size", block_size),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Invalid {name}: {value!r}; use a positive int")
+        check_positive_int(value, name)
     if not 0.0 <= purity <= 1.0:
         raise ValueError(f"Invalid purity: {purity}; use a fraction in [0, 1]")
     if not separation > 0:
@@ -560,8 +560,7 @@ class GMMBlockSolver:
         tol: float = 0.0,
     ) -> None:
         for name, value in (("num_sweeps", num_sweeps), ("newton_steps", newton_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Invalid {name}: {value!r}; use a positive int")
+            check_positive_int(value, name)
         if len(site_names) != 3 or len(set(site_names)) != 3:
             raise ValueError(
                 f"site_names must name the means, log-variances and logits, three distinct names; "

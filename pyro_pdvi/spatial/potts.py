@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 from pyro import poutine
 
+from ..checks import check_positive_int
 from ..infer.primal import BlockProblem, BlockSolution
 from ..models.gmm import (
     SITE_NAMES,
@@ -275,8 +276,7 @@ class PottsBlockSolver:
         temperature: float = 1.0,
     ) -> None:
         for name, value in (("num_sweeps", num_sweeps), ("newton_steps", newton_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Invalid {name}: {value!r}; use a positive int")
+            check_positive_int(value, name)
         if graph.num_rows != data.shape[0] or graph.num_cols != data.shape[0]:
             raise ValueError(
                 f"graph must be square over the N = {data.shape[0]} spots, got "

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..checks import check_positive_int
 from ..models.gmm import GMMPrior
 from .graph import SpatialGraph, knn_graph
 
@@ -142,8 +143,7 @@ def make_potts_data(
         ("dim", dim),
         ("num_neighbors", num_neighbors),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Invalid {name}: {value!r}; use a positive int")
+        check_positive_int(value, name)
     for name, value in (("coarse_sweeps", coarse_sweeps), ("refine_sweeps", refine_sweeps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"Invalid {name}: {value!r}; use a non-negative int")
