@@ -9,7 +9,10 @@ the errors of q(mu)'s mean and sd. Printed: their RMS over those epochs and seed
 for each ``--rules`` entry (the paper's rule, lambda_0 = gamma + h with gamma the
 step's block copy; the consensus rule, gamma the mean of every block's latest copy;
 "auto", the paper's rule for ``--warmup-epochs`` then the consensus rule), and for
-Pyro's SVI+Adam on the same blocks.
+Pyro's SVI+Adam on the same blocks. With ``--antithetic on`` (or ``both``) the runs
+draw their particles in antithetic pairs (``PDVI(antithetic=True)``; SVI steps under
+``pyro_pdvi.AntitheticNoise``). ``--frozen`` adds the exact optimum of the fixed-noise
+objective that PDVI converges to when every block keeps one noise draw for the whole run.
 
 Example::
 
@@ -27,7 +30,10 @@ import torch
 from pyro.infer import SVI, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_pdvi import PDVI
+from pyro_pdvi import PDVI, AntitheticNoise
+from pyro_pdvi.infer.antithetic import antithetic_loss
+from pyro_pdvi.infer.handlers import FixedNoise
+from pyro_pdvi.infer.primal import lbfgs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,6 +54,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--warmup-epochs", type=float, default=5.0, help="PDVI warmup_epochs (rule 'auto')")
     parser.add_argument("--svi-lr", type=float, default=0.05, help="Adam learning rate of the SVI reference")
+    parser.add_argument(
+        "--antithetic", choices=("off", "on", "both"), default="both", help="antithetic particle pairs"
+    )
+    parser.add_argument(
+        "--frozen",
+        action="store_true",
+        help="also solve the fixed-noise objective (one noise draw per block) exactly",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     return parser.parse_args(argv)
 
@@ -71,6 +85,48 @@ class SortedHierarchy:
 
     def guide(self):
         return AutoNormal(self.model, create_plates=lambda idx: pyro.plate("data", self.N, subsample=idx))
+
+
+class AntitheticSVI(SVI):
+    """SVI whose steps draw the guide's particles in antithetic pairs."""
+
+    def step(self, *args, **kwargs):
+        with AntitheticNoise():
+            return super().step(*args, **kwargs)
+
+
+class FrozenNoiseOptimum:
+    """The exact minimiser of sum_b f_b with every block's noise fixed to one draw: what
+    PDVI converges to if each block kept its noise for the whole run. ``step`` solves it
+    (the first call; later calls do nothing), so ``errors`` reads the same point each epoch.
+    """
+
+    def __init__(self, problem: SortedHierarchy, loss, antithetic: bool) -> None:
+        self.problem = problem
+        self.guide = problem.guide()
+        self.loss_fn = loss.differentiable_loss
+        if antithetic:
+            self.loss_fn = antithetic_loss(self.loss_fn)
+        self.solved = False
+
+    def objective(self, noises: list[FixedNoise]) -> torch.Tensor:
+        total = 0.0
+        for noise, block in zip(noises, self.problem.blocks):
+            with noise():
+                total = (
+                    total + self.loss_fn(self.problem.model, self.guide, block) * len(block) / self.problem.N
+                )
+        return total
+
+    def step(self, block) -> None:
+        if self.solved:
+            return
+        seeds = torch.randint(0, 2**62, (len(self.problem.blocks),)).tolist()
+        noises = [FixedNoise(seed, torch.device("cpu")) for seed in seeds]
+        self.objective(noises)  # creates the params
+        params = [p for _, p in pyro.get_param_store().named_parameters()]
+        lbfgs(lambda: self.objective(noises), params, max_iter=500)
+        self.solved = True
 
 
 def errors(problem, make_algo, args, seed):
@@ -106,23 +162,31 @@ def main(args: argparse.Namespace) -> list[dict]:
         def loss(particles=particles):
             return TraceMeanField_ELBO(num_particles=particles, vectorize_particles=True)
 
-        methods = {
-            f"PDVI {rule}": lambda rule=rule: PDVI(
-                problem.model,
-                problem.guide(),
-                pyro.optim.Adam({"lr": 0.01}),
-                loss(),
-                blocks=problem.blocks,
-                global_update=rule,
-                warmup_epochs=args.warmup_epochs,
-                eta_scale=args.eta_scale,
-                inner_steps=10,
+        settings = {"off": [False], "on": [True], "both": [False, True]}[args.antithetic]
+        methods = {}
+        for antithetic in settings:
+            tag = ", antithetic" if antithetic else ""
+            for rule in args.rules.split(","):
+                methods[f"PDVI {rule}{tag}"] = lambda rule=rule, antithetic=antithetic: PDVI(
+                    problem.model,
+                    problem.guide(),
+                    pyro.optim.Adam({"lr": 0.01}),
+                    loss(),
+                    blocks=problem.blocks,
+                    global_update=rule,
+                    warmup_epochs=args.warmup_epochs,
+                    eta_scale=args.eta_scale,
+                    inner_steps=10,
+                    antithetic=antithetic,
+                )
+            svi_class = AntitheticSVI if antithetic else SVI
+            methods[f"SVI+Adam lr={args.svi_lr:g}{tag}"] = lambda svi_class=svi_class: svi_class(
+                problem.model, problem.guide(), pyro.optim.Adam({"lr": args.svi_lr}), loss()
             )
-            for rule in args.rules.split(",")
-        }
-        methods[f"SVI+Adam lr={args.svi_lr:g}"] = lambda: SVI(
-            problem.model, problem.guide(), pyro.optim.Adam({"lr": args.svi_lr}), loss()
-        )
+            if args.frozen:
+                methods[f"fixed-noise optimum{tag}"] = lambda antithetic=antithetic: FrozenNoiseOptimum(
+                    problem, loss(), antithetic
+                )
         for name, make_algo in methods.items():
             start = time.perf_counter()
             errs = torch.tensor(

@@ -68,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="PDVI global_update rules to run (comma list); P2D-VI runs with the first",
     )
     parser.add_argument("--warmup-epochs", type=float, default=5.0, help="PDVI warmup_epochs (rule 'auto')")
+    parser.add_argument(
+        "--antithetic",
+        choices=("off", "on", "both"),
+        default="off",
+        help="PDVI draws its particles in antithetic pairs (PDVI(antithetic=True))",
+    )
     parser.add_argument("--eta-scales", default="2", help="PDVI eta_scale values to run (comma list)")
     parser.add_argument("--inner-steps", type=int, default=10, help="L-BFGS iterations per PDVI primal solve")
     parser.add_argument("--seed", type=int, default=0)
@@ -164,15 +170,17 @@ def main(args: argparse.Namespace) -> list[dict]:
     histories = []
     rules = args.rules.split(",")
     variants = [("PD-VI", None, rule) for rule in rules] + [("P2D-VI", "per_site", rules[0])]
+    antithetic_settings = {"off": [False], "on": [True], "both": [False, True]}[args.antithetic]
+    variants = [(name, groups, rule, anti) for name, groups, rule in variants for anti in antithetic_settings]
     local_solver = GMMBlockSolver(data, prior) if args.closed_form else None
     solver_name = "closed form x10 sweeps" if args.closed_form else f"lbfgs x{args.inner_steps}"
     for eta_scale in [float(v) for v in args.eta_scales.split(",")]:
-        for name, groups, rule in variants:
+        for name, groups, rule, antithetic in variants:
             histories.append(
                 run(
                     name,
-                    f"{rule}, auto x{eta_scale:g}, {solver_name}",
-                    lambda groups=groups, rule=rule, eta_scale=eta_scale: PDVI(
+                    f"{rule}, auto x{eta_scale:g}, {solver_name}" + (", antithetic" if antithetic else ""),
+                    lambda groups=groups, rule=rule, eta_scale=eta_scale, antithetic=antithetic: PDVI(
                         gmm.model,
                         gmm.guide,
                         adam(),
@@ -184,6 +192,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                         eta_scale=eta_scale,
                         inner_steps=args.inner_steps,
                         local_solver=local_solver,
+                        antithetic=antithetic,
                     ),
                     gmm,
                     blocks,

@@ -3,6 +3,7 @@
 
 from .infer import (
     PDVI,
+    AntitheticNoise,
     BlockBatch,
     BlockBatchSolution,
     BlockPartition,
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PDVI",
+    "AntitheticNoise",
     "BlockBatch",
     "BlockBatchSolution",
     "BlockPartition",

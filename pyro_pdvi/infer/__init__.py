@@ -1,5 +1,6 @@
 """Inference: the PDVI engine and its parts."""
 
+from .antithetic import AntitheticNoise
 from .blocks import BlockPartition
 from .consensus import ConsensusState
 from .pdvi import PDVI, NonFiniteStepError
@@ -8,6 +9,7 @@ from .vectorized import VectorizationError
 
 __all__ = [
     "PDVI",
+    "AntitheticNoise",
     "BlockBatch",
     "BlockBatchSolution",
     "BlockPartition",

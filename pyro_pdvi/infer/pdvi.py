@@ -32,6 +32,7 @@ from pyro.optim import PyroOptim
 from pyro.poutine.runtime import NonlocalExit
 
 from ..checks import check_positive_int
+from .antithetic import antithetic_loss, check_antithetic_loss
 from .blocks import BlockPartition
 from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate
 from .handlers import FixedNoise, is_subsample_site
@@ -145,6 +146,11 @@ class PDVI:
         its own Monte Carlo noise from the step's one seed. A model that ``vmap`` cannot
         map raises :class:`~pyro_pdvi.infer.vectorized.VectorizationError` on the first
         such step.
+    :param antithetic: draw every Gaussian guide site's noise in antithetic pairs over the
+        ELBO's vectorized particles (:mod:`~pyro_pdvi.infer.antithetic`; needs
+        ``vectorize_particles=True`` and an even ``num_particles``). A fixed-noise block
+        solve then has no term linear in the noise, which on sorted blocks otherwise
+        biases the fitted scales (measured in docs/benchmarks.md, section 2).
     """
 
     def __init__(
@@ -167,6 +173,7 @@ class PDVI:
         curvature_blocks: int = 4,
         curvature_iterations: int = 6,
         vectorize_blocks: bool = False,
+        antithetic: bool = False,
     ) -> None:
         if not isinstance(optim, PyroOptim):
             raise ValueError(
@@ -199,6 +206,11 @@ class PDVI:
         if local_solver is not None and not callable(local_solver):
             raise ValueError("local_solver must be a callable BlockProblem -> BlockSolution")
         check_eta(eta, "eta")
+        if not isinstance(antithetic, bool):
+            raise ValueError(f"Invalid antithetic: {antithetic!r}; use True or False")
+        if antithetic:
+            check_antithetic_loss(loss)
+            loss_fn = antithetic_loss(loss_fn)
         if not isinstance(vectorize_blocks, bool):
             raise ValueError(f"Invalid vectorize_blocks: {vectorize_blocks!r}; use True or False")
         if vectorize_blocks and local_solver is not None:
@@ -225,6 +237,7 @@ class PDVI:
         self.curvature_blocks = check_positive_int(curvature_blocks, "curvature_blocks")
         self.curvature_iterations = check_positive_int(curvature_iterations, "curvature_iterations")
         self.vectorize_blocks = vectorize_blocks
+        self.antithetic = antithetic
         self.num_steps = 0
         self.diagnostics: dict[str, Any] = {}
         self._loss_fn = loss_fn

@@ -148,7 +148,7 @@ class BlockBatch:
         for name, value in copies.items():
             diff = value - self.consensus[name]
             terms = self.dual[name] * diff + 0.5 * diff.square() / self.step_sizes[name]
-            total = total + terms.flatten(1).sum(1)
+            total = total + terms.reshape(len(terms), -1).sum(1)
         return total
 
 

@@ -88,13 +88,8 @@ class GlobalLayout:
         batch dims, into a batch of vectors of shape ``batch + (size,)``)."""
         if not self.sites:
             return torch.zeros(0)
-        return torch.cat(
-            [
-                values[site.name].flatten(batch_dims) if batch_dims else values[site.name].reshape(-1)
-                for site in self.sites
-            ],
-            dim=-1,
-        )
+        batch = values[self.sites[0].name].shape[:batch_dims]
+        return torch.cat([values[site.name].reshape(*batch, -1) for site in self.sites], dim=-1)
 
     def unflatten(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``vector`` (or of its last dim) shaped like each site."""

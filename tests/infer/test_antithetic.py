@@ -1,0 +1,164 @@
+"""Antithetic particle pairs: the draws, the errors, and the exact mean they give PDVI."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_pdvi import PDVI, AntitheticNoise
+
+from .test_pdvi_pyro import Hierarchical
+
+K = 6
+
+
+def _guide():
+    loc = torch.tensor([0.5, -1.0])
+    pyro.sample("normal", dist.Normal(loc, 2.0).to_event(1))
+    pyro.sample("lognormal", dist.LogNormal(0.3, 0.7))
+    pyro.sample("mvn", dist.MultivariateNormal(loc, scale_tril=torch.tensor([[1.0, 0.0], [0.4, 0.5]])))
+    pyro.sample("gamma", dist.Gamma(2.0, 1.0))
+    with pyro.plate("data", 3):
+        pyro.sample("local", dist.Normal(torch.arange(3.0), 1.0))
+
+
+def _particle_trace(guide, num_particles=K):
+    with AntitheticNoise(), poutine.trace() as tracer:
+        pyro.plate("num_particles_vectorized", num_particles, dim=-2)(guide)()
+    return tracer.trace.nodes
+
+
+def _is_mirrored(values, center):
+    """The second half of the particles is the first half mirrored about ``center``."""
+    first, second = (values - center).chunk(2, dim=0)
+    return torch.allclose(first, -second, atol=1e-12) and not torch.allclose(first, second)
+
+
+def test_gaussian_sites_are_drawn_in_mirrored_pairs():
+    nodes = _particle_trace(_guide)
+    assert _is_mirrored(nodes["normal"]["value"], torch.tensor([0.5, -1.0]))
+    assert _is_mirrored(nodes["lognormal"]["value"].log(), torch.tensor(0.3))
+    assert _is_mirrored(nodes["mvn"]["value"], torch.tensor([0.5, -1.0]))
+    assert _is_mirrored(nodes["local"]["value"], torch.arange(3.0))
+    # Each particle is a draw from the site's own distribution, of the right shape.
+    assert nodes["local"]["value"].shape == (K, 3)
+    assert nodes["normal"]["value"].shape == (K, 1, 2)
+    # A non-Gaussian site is left to Pyro.
+    gamma = nodes["gamma"]["value"].reshape(2, -1)
+    assert not torch.allclose(gamma[0], gamma[1])
+
+
+def test_autonormal_noise_averages_to_zero_in_every_site():
+    problem = Hierarchical(num_data=20, num_blocks=2)
+    guide = problem.auto_guide()
+    guide(problem.blocks[0])  # build the params
+    nodes = _particle_trace(lambda: guide(problem.blocks[0]))
+    for site in ("mu_unconstrained", "theta_unconstrained"):
+        value = nodes[site]["value"]
+        loc = pyro.param(f"AutoNormal.locs.{site.split('_')[0]}").detach()
+        if site == "theta_unconstrained":
+            loc = loc[problem.blocks[0]]
+        noise_mean = (value - loc).mean(0)
+        assert noise_mean.abs().max() < 1e-12
+
+
+def test_odd_or_missing_particles_are_an_error_naming_the_site():
+    with pytest.raises(ValueError, match='site "normal".*even num_particles'):
+        _particle_trace(_guide, num_particles=3)
+    with pytest.raises(ValueError, match='site "normal".*vectorize_particles=True'):
+        with AntitheticNoise():
+            _guide()
+
+
+def test_pdvi_rejects_an_elbo_without_paired_particles():
+    problem = Hierarchical(num_data=20, num_blocks=2)
+    for loss in (Trace_ELBO(num_particles=4), TraceMeanField_ELBO(num_particles=5, vectorize_particles=True)):
+        with pytest.raises(
+            ValueError, match="antithetic=True needs the ELBO's particles vectorized in pairs"
+        ):
+            PDVI(
+                problem.model,
+                problem.guide,
+                pyro.optim.Adam({"lr": 0.1}),
+                loss,
+                blocks=problem.blocks,
+                antithetic=True,
+            )
+    with pytest.raises(ValueError, match="Invalid antithetic"):
+        PDVI(
+            problem.model,
+            problem.guide,
+            pyro.optim.Adam({"lr": 0.1}),
+            Trace_ELBO(),
+            blocks=problem.blocks,
+            antithetic="yes",
+        )
+
+
+def test_svi_steps_under_antithetic_noise():
+    problem = Hierarchical(num_data=20, num_blocks=2)
+    svi = SVI(
+        problem.model,
+        AutoNormal(problem.model, create_plates=lambda idx: pyro.plate("data", problem.N, subsample=idx)),
+        pyro.optim.Adam({"lr": 0.05}),
+        TraceMeanField_ELBO(num_particles=4, vectorize_particles=True),
+    )
+    with AntitheticNoise():
+        loss = svi.step(problem.blocks[0])
+    assert isinstance(loss, float) and loss == loss
+
+
+def _mean_error(antithetic, num_epochs):
+    """|E_q[mu] - exact| after PDVI with 8 particles on sorted blocks (the paper's rule)."""
+    problem = Hierarchical(num_data=40, num_blocks=4)
+    pyro.set_rng_seed(0)
+    pyro.clear_param_store()
+    pdvi = PDVI(
+        problem.model,
+        problem.guide,
+        pyro.optim.Adam({"lr": 0.05}),
+        TraceMeanField_ELBO(num_particles=8, vectorize_particles=True),
+        blocks=problem.blocks,
+        inner_steps=20,
+        global_update="paper",
+        antithetic=antithetic,
+    )
+    for _ in range(num_epochs):
+        for block in problem.blocks:
+            pdvi.step(block)
+    return abs(float(pyro.param("mu_loc").detach()) - problem.posterior_mean_mu())
+
+
+def test_antithetic_pairs_make_pdvi_exact_in_the_mean_with_eight_particles():
+    """The target is Gaussian, so with mirrored noise every block objective is, in the means,
+    the exact deterministic quadratic: the Monte Carlo noise only touches the scales. PDVI
+    then reaches the exact mean of q(mu) (closed form) at a linear rate; with independent
+    particles the same run stays off by the noise (measured: 0.01-0.06 from epoch 10 to 40)."""
+    assert _mean_error(antithetic=True, num_epochs=28) < 1e-8
+    assert _mean_error(antithetic=False, num_epochs=10) > 1e-3
+
+
+def test_vectorized_steps_with_antithetic_pairs_and_a_scalar_global_site():
+    """Two blocks per step in one vmapped solve (scalar global sites ``mu`` loc and scale)."""
+    problem = Hierarchical(num_data=40, num_blocks=4)
+    pyro.set_rng_seed(0)
+    pyro.clear_param_store()
+    pdvi = PDVI(
+        problem.model,
+        problem.auto_guide(),
+        pyro.optim.Adam({"lr": 0.05}),
+        TraceMeanField_ELBO(num_particles=8, vectorize_particles=True),
+        blocks=problem.blocks,
+        inner_steps=20,
+        global_update="paper",
+        antithetic=True,
+        vectorize_blocks=True,
+    )
+    for _ in range(10):
+        for pair in ([0, 1], [2, 3]):
+            pdvi.step(torch.cat([problem.blocks[i] for i in pair]))
+    # Measured 6e-5 here; independent particles: 0.07.
+    assert abs(float(pyro.param("AutoNormal.locs.mu").detach()) - problem.posterior_mean_mu()) < 1e-3
