@@ -56,6 +56,20 @@ from .sites import DataPlate, GlobalLayout, find_data_plate, split_param_sites
 from .vectorized import BatchedBlockObjective, VectorizedBlockSolver
 
 
+def _check_epochs(epochs: Sequence[float], name: str) -> tuple[float, ...]:
+    """A sequence of positive finite numbers, returned sorted."""
+    if isinstance(epochs, (str, bytes)) or not isinstance(epochs, Sequence):
+        raise ValueError(
+            f"Invalid {name}: {epochs!r}; use a sequence of positive numbers of epochs, e.g. (1,)"
+        )
+    for value in epochs:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(
+                f"Invalid {name}: {epochs!r}; every entry must be a positive finite number of epochs"
+            )
+    return tuple(sorted(float(value) for value in epochs))
+
+
 class NonFiniteStepError(RuntimeError):
     """A step produced a non-finite loss or update; nothing was changed."""
 
@@ -138,13 +152,23 @@ class PDVI:
         model's closed-form coordinate descent.
     :param plate_name: name of the data plate, if several plates have size N.
     :param curvature_blocks: how many blocks ``eta="auto"`` measures (the max is used).
-    :param curvature_iterations: power iterations per group and block.
+    :param curvature_iterations: Hessian-vector products (Lanczos iterations) per group and block.
     :param vectorize_blocks: solve a step's blocks, when there are several of equal size,
         in one pass of ``torch.func.vmap`` over stacked block copies instead of a loop (the
         generic path only; see :mod:`~pyro_pdvi.infer.vectorized`). Each block then draws
         its own Monte Carlo noise from the step's one seed. A model that ``vmap`` cannot
         map raises :class:`~pyro_pdvi.infer.vectorized.VectorizationError` on the first
         such step.
+    :param remeasure_epochs: epochs (block visits / n) after which every ``"auto"`` group
+        measures its curvature again, at the current ``lambda_0`` and local rows, and takes
+        ``eta_j = eta_scale / L_j`` with ``L_j`` the largest curvature measured so far
+        (set-up included): each measurement is a lower bound of the Lipschitz constant
+        that [1, Thm. 4.7] asks for, so a step size only ever shrinks. The reduced
+        curvature can grow during a run (on a GMM it rises as the responsibilities
+        harden; measured in ``docs/benchmarks.md``). The duals are kept (after an exact
+        solve ``mu_b = -grad f_b``, whatever ``eta``) and ``lambda_0`` moves with
+        ``h = H mean(mu)``, so the fixed point is unchanged. Default ``()``: measure at
+        set-up only. :class:`~pyro_pdvi.distributed.DistributedPDVI` does not support it.
     """
 
     def __init__(
@@ -167,6 +191,7 @@ class PDVI:
         curvature_blocks: int = 4,
         curvature_iterations: int = 6,
         vectorize_blocks: bool = False,
+        remeasure_epochs: Sequence[float] = (),
     ) -> None:
         if not isinstance(optim, PyroOptim):
             raise ValueError(
@@ -225,6 +250,9 @@ class PDVI:
         self.curvature_blocks = check_positive_int(curvature_blocks, "curvature_blocks")
         self.curvature_iterations = check_positive_int(curvature_iterations, "curvature_iterations")
         self.vectorize_blocks = vectorize_blocks
+        self.remeasure_epochs = _check_epochs(remeasure_epochs, "remeasure_epochs")
+        self._remeasured = 0
+        self._curvatures: torch.Tensor | None = None
         self.num_steps = 0
         self.diagnostics: dict[str, Any] = {}
         self._loss_fn = loss_fn
@@ -309,6 +337,7 @@ class PDVI:
                         "that group a fixed eta, or check that the sites are used by the model."
                     )
             etas = [self.eta_scale / c if eta == "auto" else eta for eta, c in zip(etas, curvatures)]
+            self._curvatures = torch.tensor(curvatures, dtype=consensus.dtype)
         self._set_group_step_sizes(torch.tensor(etas, dtype=consensus.dtype))
 
     @staticmethod
@@ -651,7 +680,33 @@ class PDVI:
             self._setup(traces, args, kwargs)
         block_ids = self.partition.blocks_in(self._step_subsample(args, kwargs))
         solved = self._solve_step(block_ids, self._block_seeds(block_ids), args, kwargs)
-        return self._commit(solved)
+        loss = self._commit(solved)
+        self._remeasure_if_due(args, kwargs)
+        return loss
+
+    def _remeasure_if_due(self, args: tuple, kwargs: dict) -> None:
+        """Re-measure the ``"auto"`` groups' curvatures once the run has passed the next of
+        ``remeasure_epochs`` (one measurement however many it passed in this step), and
+        take ``eta_j = eta_scale / max(L_j measured so far)``."""
+        passed = sum(1 for e in self.remeasure_epochs if self._block_visits >= e * len(self.partition))
+        if passed <= self._remeasured or self._curvatures is None:
+            return
+        self._remeasured = passed
+        measured = self._estimate_curvatures(args, kwargs).to(self._curvatures)
+        usable = torch.isfinite(measured) & (measured > 0)
+        if not usable.all():
+            bad = [g.name for g, ok in zip(self.group_list, usable.tolist()) if not ok]
+            warnings.warn(
+                f"PDVI step {self.num_steps}: re-measured curvature of groups {bad} is not a positive "
+                "finite number; their step sizes are kept",
+                stacklevel=3,
+            )
+        self._curvatures = torch.where(usable, torch.maximum(self._curvatures, measured), self._curvatures)
+        auto = torch.tensor([g.eta == "auto" for g in self.group_list])
+        etas = torch.where(auto, self.eta_scale / self._curvatures, self._group_step_sizes)
+        self._set_group_step_sizes(etas)
+        self.diagnostics["step_sizes"] = self.step_sizes
+        self.diagnostics["curvatures"] = self.curvatures
 
     def _seed_generator(self) -> None:
         if self._rng is None:
@@ -709,6 +764,7 @@ class PDVI:
             "consensus_residual": (solved.copies - old_consensus).norm(dim=1),
             "dual_change": (update.duals - old_duals).norm(dim=1),
             "step_sizes": self.step_sizes,
+            "curvatures": self.curvatures,
             "global_update": self._state.global_update,
         }
         return loss * (self.partition.num_data / num_indices)
@@ -766,6 +822,14 @@ class PDVI:
         return {g.name: float(eta) for g, eta in zip(self.group_list, self._group_step_sizes)}
 
     @property
+    def curvatures(self) -> dict[str, float]:
+        """The largest curvature ``L_j`` measured so far for each group (``eta="auto"``
+        only; see ``remeasure_epochs``): ``eta_j = eta_scale / L_j`` for ``"auto"`` groups."""
+        if self._curvatures is None:
+            return {}
+        return {g.name: float(c) for g, c in zip(self.group_list, self._curvatures)}
+
+    @property
     def state(self) -> ConsensusState | None:
         """Duals, block copies and consensus (``None`` before the first step)."""
         return self._state
@@ -814,6 +878,8 @@ class PDVI:
             "group_step_sizes": self._group_step_sizes.clone(),
             "consensus_state": self._state.state_dict(),
             "rng_state": self._rng.get_state(),
+            "remeasured": self._remeasured,
+            "curvatures": None if self._curvatures is None else self._curvatures.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -841,3 +907,6 @@ class PDVI:
         if "rng_state" in state:
             self._rng.set_state(state["rng_state"])
         self._group_step_sizes = state["group_step_sizes"].clone()
+        self._remeasured = state.get("remeasured", 0)
+        curvatures = state.get("curvatures")
+        self._curvatures = None if curvatures is None else curvatures.clone()
