@@ -30,6 +30,11 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_pdvi import PDVI
 
 
+def remeasure_option(text: str | None) -> dict:
+    """PDVI's ``remeasure_epochs`` from a comma list ('' for none); nothing if not given."""
+    return {} if text is None else {"remeasure_epochs": tuple(float(v) for v in text.split(",") if v)}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -43,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--eta-scale", type=float, default=2.0, help="PDVI eta_scale")
+    parser.add_argument(
+        "--remeasure-epochs",
+        default=None,
+        help="PDVI remeasure_epochs, comma list ('' for none; not given: PDVI's default)",
+    )
     parser.add_argument(
         "--rules", default="auto,paper,consensus", help="PDVI global_update rules (comma list)"
     )
@@ -117,6 +127,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                 warmup_epochs=args.warmup_epochs,
                 eta_scale=args.eta_scale,
                 inner_steps=10,
+                **remeasure_option(args.remeasure_epochs),
             )
             for rule in args.rules.split(",")
         }

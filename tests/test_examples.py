@@ -85,3 +85,34 @@ def test_quadratic_benchmark_tiny():
     reached = {(row["scale_b"], row["groups"]): row["epochs"] for row in rows}
     assert reached[(1.0, None)] is not None and reached[(10.0, "per_site")] is not None
     assert reached[(10.0, None)] is None  # one step size for 100x-apart curvatures
+
+
+def test_eta_auto_benchmark_tiny():
+    module = load("benchmark_eta_auto")
+    args = module.parse_args(
+        [
+            "--num-data",
+            "90",
+            "--num-components",
+            "3",
+            "--block-size",
+            "30",
+            "--epochs",
+            "2",
+            "--etas",
+            "0.01",
+            "--remeasure",
+            "none,1",
+            "--groups",
+            "per_site",
+            "--curvatures",
+            "--quiet",
+        ]
+    )
+    results = module.main(args)
+    assert [r["label"] for r in results] == [
+        "P2D-VI auto, remeasure none",
+        "P2D-VI auto, remeasure 1",
+        "P2D-VI eta=0.01",
+    ]
+    assert all(len(r["history"]) == 2 for r in results)

@@ -123,7 +123,10 @@ class PDVI:
     :param blocks: 1-D LongTensors that partition ``range(N)``: the fixed blocks.
     :param eta: step size of the default group: a positive float, or
         ``"auto"`` for ``eta_scale / L`` with ``L`` the measured curvature of
-        the block objective in that group's params [1, Thm. 4.7].
+        the block objective in that group's params [1, Thm. 4.7]: the largest
+        eigenvalue (Lanczos, see :func:`~pyro_pdvi.infer.preconditioner.estimate_curvatures`)
+        of the reduced objective's Hessian, max over ``curvature_blocks`` blocks (and over
+        the measurements of ``remeasure_epochs``).
     :param groups: preconditioner groups (P2D-VI): ``None`` for one group
         (PD-VI), ``"per_site"`` for one group per global site, or a list of
         dicts like torch.optim param groups keyed by site names; see
