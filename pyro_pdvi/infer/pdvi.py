@@ -124,9 +124,9 @@ class PDVI:
     :param eta: step size of the default group: a positive float, or
         ``"auto"`` for ``eta_scale / L`` with ``L`` the measured curvature of
         the block objective in that group's params [1, Thm. 4.7]: the largest
-        eigenvalue (Lanczos, see :func:`~pyro_pdvi.infer.preconditioner.estimate_curvatures`)
-        of the reduced objective's Hessian, max over ``curvature_blocks`` blocks (and over
-        the measurements of ``remeasure_epochs``).
+        ``|eigenvalue|`` of the reduced objective's Hessian block (power iteration, see
+        :func:`~pyro_pdvi.infer.preconditioner.estimate_curvatures`), max over
+        ``curvature_blocks`` blocks (and over the measurements of ``remeasure_epochs``).
     :param groups: preconditioner groups (P2D-VI): ``None`` for one group
         (PD-VI), ``"per_site"`` for one group per global site, or a list of
         dicts like torch.optim param groups keyed by site names; see
@@ -155,7 +155,7 @@ class PDVI:
         model's closed-form coordinate descent.
     :param plate_name: name of the data plate, if several plates have size N.
     :param curvature_blocks: how many blocks ``eta="auto"`` measures (the max is used).
-    :param curvature_iterations: Hessian-vector products (Lanczos iterations) per group and block.
+    :param curvature_iterations: power iterations per group and block.
     :param vectorize_blocks: solve a step's blocks, when there are several of equal size,
         in one pass of ``torch.func.vmap`` over stacked block copies instead of a loop (the
         generic path only; see :mod:`~pyro_pdvi.infer.vectorized`). Each block then draws
