@@ -94,7 +94,7 @@ class DistributedPDVI(PDVI):
         if self.remeasure_epochs:
             raise ValueError(
                 "DistributedPDVI does not support remeasure_epochs (every rank would have to measure "
-                "the same blocks); leave it at its default ()"
+                "the same blocks); pass remeasure_epochs=() or leave it out"
             )
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)

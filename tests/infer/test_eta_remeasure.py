@@ -89,6 +89,9 @@ def test_remeasure_keeps_the_largest_curvature_and_leaves_fixed_steps_alone():
     assert pdvi.curvatures == {"a": float(largest[0]), "b": float(largest[1])}
     assert pdvi.step_sizes == {"a": pdvi.eta_scale / float(largest[0]), "b": fixed_b}
     assert pdvi.diagnostics["step_sizes"] == pdvi.step_sizes
+    # lambda_0 moved with h = H mean(mu); the param store holds it.
+    store = torch.cat([pyro.param("a").detach(), pyro.param("b").detach()])
+    assert torch.equal(store, pdvi.state.consensus)
     # Different single blocks were measured, with different curvatures: the max moved.
     assert len({float(value[0]) for _, value in measured}) > 1
 
