@@ -171,7 +171,7 @@ class PDVI:
         harden; measured in ``docs/benchmarks.md``). The duals are kept (after an exact
         solve ``mu_b = -grad f_b``, whatever ``eta``) and ``lambda_0`` moves with
         ``h = H mean(mu)`` (written to the param store), so the fixed point is unchanged.
-        Each measurement costs what the set-up's does (on the GMM, 5-10 epochs of
+        Each measurement costs what the set-up's does (on the 1b GMM, about 9 epochs of
         closed-form steps). Default ``()``: measure at set-up only. ``(1, 2)`` fixed a
         step 2x too large on well-separated GMM clusters and changed nothing on the other
         benchmarks but the time (``docs/benchmarks.md``, section 9).
