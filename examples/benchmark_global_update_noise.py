@@ -36,6 +36,11 @@ from pyro_pdvi.infer.handlers import FixedNoise
 from pyro_pdvi.infer.primal import lbfgs
 
 
+def remeasure_option(text: str | None) -> dict:
+    """PDVI's ``remeasure_epochs`` from a comma list ('' for none); nothing if not given."""
+    return {} if text is None else {"remeasure_epochs": tuple(float(v) for v in text.split(",") if v)}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -49,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--eta-scale", type=float, default=2.0, help="PDVI eta_scale")
+    parser.add_argument(
+        "--remeasure-epochs",
+        default=None,
+        help="PDVI remeasure_epochs, comma list ('' for none; not given: PDVI's default)",
+    )
     parser.add_argument(
         "--rules", default="auto,paper,consensus", help="PDVI global_update rules (comma list)"
     )
@@ -178,6 +188,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                     eta_scale=args.eta_scale,
                     inner_steps=10,
                     antithetic=antithetic,
+                    **remeasure_option(args.remeasure_epochs),
                 )
             svi_class = AntitheticSVI if antithetic else SVI
             methods[f"SVI+Adam lr={args.svi_lr:g}{tag}"] = lambda svi_class=svi_class: svi_class(

@@ -106,6 +106,11 @@ def pairs(text: str) -> list[tuple[float, float]]:
     return out
 
 
+def remeasure_option(text: str | None) -> dict:
+    """PDVI's ``remeasure_epochs`` from a comma list ('' for none); nothing if not given."""
+    return {} if text is None else {"remeasure_epochs": tuple(float(v) for v in text.split(",") if v)}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -161,7 +166,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--curvature-blocks", type=int, default=4, help="blocks PDVI's eta='auto' measures (max is used)"
     )
     run.add_argument(
-        "--curvature-iterations", type=int, default=6, help="power iterations of PDVI's eta='auto'"
+        "--curvature-iterations", type=int, default=6, help="Lanczos iterations of PDVI's eta='auto'"
+    )
+    run.add_argument(
+        "--remeasure-epochs",
+        default=None,
+        help="PDVI remeasure_epochs, comma list ('' for none; not given: PDVI's default)",
     )
     run.add_argument("--sweeps", type=int, default=10, help="coordinate-descent sweeps of GMMBlockSolver")
     run.add_argument(
@@ -434,6 +444,7 @@ def runs_for(
                 local_solver=local_solver,
                 curvature_blocks=args.curvature_blocks,
                 curvature_iterations=args.curvature_iterations,
+                **remeasure_option(args.remeasure_epochs),
             )
         )
 

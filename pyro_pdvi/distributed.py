@@ -91,6 +91,11 @@ class DistributedPDVI(PDVI):
                 "process first (torchrun sets the environment it reads)"
             )
         super().__init__(model, guide, optim, loss, blocks=blocks, **kwargs)
+        if self.remeasure_epochs:
+            raise ValueError(
+                "DistributedPDVI does not support remeasure_epochs (every rank would have to measure "
+                "the same blocks); pass remeasure_epochs=() or leave it out"
+            )
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)

@@ -85,3 +85,28 @@ def test_quadratic_benchmark_tiny():
     reached = {(row["scale_b"], row["groups"]): row["epochs"] for row in rows}
     assert reached[(1.0, None)] is not None and reached[(10.0, "per_site")] is not None
     assert reached[(10.0, None)] is None  # one step size for 100x-apart curvatures
+
+
+def test_eta_auto_benchmark_tiny():
+    module = load("benchmark_eta_auto")
+    args = module.parse_args(
+        [
+            "--num-data",
+            "60",
+            "--num-components",
+            "2",
+            "--block-size",
+            "30",
+            "--epochs",
+            "2",
+            "--etas",
+            "0.01",
+            "--remeasure",
+            "1",
+            "--curvatures",
+            "--quiet",
+        ]
+    )
+    results = module.main(args)
+    assert [r["label"] for r in results] == ["PD-VI auto, remeasure 1", "PD-VI eta=0.01"]
+    assert all(len(r["history"]) == 2 for r in results)

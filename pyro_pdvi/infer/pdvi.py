@@ -57,6 +57,20 @@ from .sites import DataPlate, GlobalLayout, find_data_plate, split_param_sites
 from .vectorized import BatchedBlockObjective, VectorizedBlockSolver
 
 
+def _check_epochs(epochs: Sequence[float], name: str) -> tuple[float, ...]:
+    """A sequence of positive finite numbers, returned sorted."""
+    if isinstance(epochs, (str, bytes)) or not isinstance(epochs, Sequence):
+        raise ValueError(
+            f"Invalid {name}: {epochs!r}; use a sequence of positive numbers of epochs, e.g. (1,)"
+        )
+    for value in epochs:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(
+                f"Invalid {name}: {epochs!r}; every entry must be a positive finite number of epochs"
+            )
+    return tuple(sorted(float(value) for value in epochs))
+
+
 class NonFiniteStepError(RuntimeError):
     """A step produced a non-finite loss or update; nothing was changed."""
 
@@ -110,7 +124,10 @@ class PDVI:
     :param blocks: 1-D LongTensors that partition ``range(N)``: the fixed blocks.
     :param eta: step size of the default group: a positive float, or
         ``"auto"`` for ``eta_scale / L`` with ``L`` the measured curvature of
-        the block objective in that group's params [1, Thm. 4.7].
+        the block objective in that group's params [1, Thm. 4.7]: the largest
+        ``|eigenvalue|`` of the reduced objective's Hessian block (power iteration, see
+        :func:`~pyro_pdvi.infer.preconditioner.estimate_curvatures`), max over
+        ``curvature_blocks`` blocks (and over the measurements of ``remeasure_epochs``).
     :param groups: preconditioner groups (P2D-VI): ``None`` for one group
         (PD-VI), ``"per_site"`` for one group per global site, or a list of
         dicts like torch.optim param groups keyed by site names; see
@@ -151,6 +168,20 @@ class PDVI:
         ``vectorize_particles=True`` and an even ``num_particles``). A fixed-noise block
         solve then has no term linear in the noise, which on sorted blocks otherwise
         biases the fitted scales (measured in docs/benchmarks.md, section 2).
+    :param remeasure_epochs: epochs (block visits / n) after which every ``"auto"`` group
+        measures its curvature again, at the current ``lambda_0`` and local rows, and takes
+        ``eta_j = eta_scale / L_j`` with ``L_j`` the largest curvature measured so far
+        (set-up included): each measurement is a lower bound of the Lipschitz constant
+        that [1, Thm. 4.7] asks for, so a step size only ever shrinks. The reduced
+        curvature can grow during a run (on a GMM it rises as the responsibilities
+        harden; measured in ``docs/benchmarks.md``). The duals are kept (after an exact
+        solve ``mu_b = -grad f_b``, whatever ``eta``) and ``lambda_0`` moves with
+        ``h = H mean(mu)`` (written to the param store), so the fixed point is unchanged.
+        Each measurement costs what the set-up's does (on the 1b GMM, about 9 epochs of
+        closed-form steps). Default ``()``: measure at set-up only. ``(1, 2)`` fixed a
+        step 2x too large on well-separated GMM clusters and changed nothing on the other
+        benchmarks but the time (``docs/benchmarks.md``, section 9).
+        :class:`~pyro_pdvi.distributed.DistributedPDVI` does not support it.
     """
 
     def __init__(
@@ -174,6 +205,7 @@ class PDVI:
         curvature_iterations: int = 6,
         vectorize_blocks: bool = False,
         antithetic: bool = False,
+        remeasure_epochs: Sequence[float] = (),
     ) -> None:
         if not isinstance(optim, PyroOptim):
             raise ValueError(
@@ -238,6 +270,9 @@ class PDVI:
         self.curvature_iterations = check_positive_int(curvature_iterations, "curvature_iterations")
         self.vectorize_blocks = vectorize_blocks
         self.antithetic = antithetic
+        self.remeasure_epochs = _check_epochs(remeasure_epochs, "remeasure_epochs")
+        self._remeasured = 0
+        self._curvatures: torch.Tensor | None = None
         self.num_steps = 0
         self.diagnostics: dict[str, Any] = {}
         self._loss_fn = loss_fn
@@ -322,6 +357,7 @@ class PDVI:
                         "that group a fixed eta, or check that the sites are used by the model."
                     )
             etas = [self.eta_scale / c if eta == "auto" else eta for eta, c in zip(etas, curvatures)]
+            self._curvatures = torch.tensor(curvatures, dtype=consensus.dtype)
         self._set_group_step_sizes(torch.tensor(etas, dtype=consensus.dtype))
 
     @staticmethod
@@ -664,7 +700,37 @@ class PDVI:
             self._setup(traces, args, kwargs)
         block_ids = self.partition.blocks_in(self._step_subsample(args, kwargs))
         solved = self._solve_step(block_ids, self._block_seeds(block_ids), args, kwargs)
-        return self._commit(solved)
+        loss = self._commit(solved)
+        self._remeasure_if_due(args, kwargs)
+        return loss
+
+    def _remeasure_if_due(self, args: tuple, kwargs: dict) -> None:
+        """Re-measure the ``"auto"`` groups' curvatures once the run has passed the next of
+        ``remeasure_epochs`` (one measurement however many it passed in this step), and
+        take ``eta_j = eta_scale / max(L_j measured so far)``."""
+        passed = sum(1 for e in self.remeasure_epochs if self._block_visits >= e * len(self.partition))
+        if passed <= self._remeasured or self._curvatures is None:
+            return
+        self._remeasured = passed
+        measured = self._estimate_curvatures(args, kwargs).to(self._curvatures)
+        usable = torch.isfinite(measured) & (measured > 0)
+        if not usable.all():
+            bad = [g.name for g, ok in zip(self.group_list, usable.tolist()) if not ok]
+            warnings.warn(
+                f"PDVI step {self.num_steps}: re-measured curvature of groups {bad} is not a positive "
+                "finite number; their step sizes are kept",
+                stacklevel=3,
+            )
+        self._curvatures = torch.where(usable, torch.maximum(self._curvatures, measured), self._curvatures)
+        auto = torch.tensor([g.eta == "auto" for g in self.group_list])
+        etas = torch.where(auto, self.eta_scale / self._curvatures, self._group_step_sizes)
+        self._set_group_step_sizes(etas)  # moves lambda_0 with h = H mean(mu)
+        params = dict(pyro.get_param_store().named_parameters())
+        with torch.no_grad():
+            for name, value in self.layout.unflatten(self._state.consensus).items():
+                params[name].copy_(value)
+        self.diagnostics["step_sizes"] = self.step_sizes
+        self.diagnostics["curvatures"] = self.curvatures
 
     def _seed_generator(self) -> None:
         if self._rng is None:
@@ -722,6 +788,7 @@ class PDVI:
             "consensus_residual": (solved.copies - old_consensus).norm(dim=1),
             "dual_change": (update.duals - old_duals).norm(dim=1),
             "step_sizes": self.step_sizes,
+            "curvatures": self.curvatures,
             "global_update": self._state.global_update,
         }
         return loss * (self.partition.num_data / num_indices)
@@ -779,6 +846,14 @@ class PDVI:
         return {g.name: float(eta) for g, eta in zip(self.group_list, self._group_step_sizes)}
 
     @property
+    def curvatures(self) -> dict[str, float]:
+        """The largest curvature ``L_j`` measured so far for each group (``eta="auto"``
+        only; see ``remeasure_epochs``): ``eta_j = eta_scale / L_j`` for ``"auto"`` groups."""
+        if self._curvatures is None:
+            return {}
+        return {g.name: float(c) for g, c in zip(self.group_list, self._curvatures)}
+
+    @property
     def state(self) -> ConsensusState | None:
         """Duals, block copies and consensus (``None`` before the first step)."""
         return self._state
@@ -827,6 +902,8 @@ class PDVI:
             "group_step_sizes": self._group_step_sizes.clone(),
             "consensus_state": self._state.state_dict(),
             "rng_state": self._rng.get_state(),
+            "remeasured": self._remeasured,
+            "curvatures": None if self._curvatures is None else self._curvatures.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -854,3 +931,6 @@ class PDVI:
         if "rng_state" in state:
             self._rng.set_state(state["rng_state"])
         self._group_step_sizes = state["group_step_sizes"].clone()
+        self._remeasured = state.get("remeasured", 0)
+        curvatures = state.get("curvatures")
+        self._curvatures = None if curvatures is None else curvatures.clone()

@@ -118,3 +118,18 @@ def test_needs_an_initialised_process_group():
     problem = worker.Hierarchical()
     with pytest.raises(ValueError, match="init_process_group"):
         worker.make(DistributedPDVI, problem)
+
+
+def test_remeasure_epochs_is_refused():
+    import torch.distributed as torch_dist
+
+    from pyro_pdvi.distributed import DistributedPDVI
+
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        problem = worker.Hierarchical()
+        with pytest.raises(ValueError, match="DistributedPDVI does not support remeasure_epochs"):
+            worker.make(DistributedPDVI, problem, remeasure_epochs=(1,))
+        worker.make(DistributedPDVI, problem)  # the default () is fine
+    finally:
+        torch_dist.destroy_process_group()

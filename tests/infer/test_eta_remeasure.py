@@ -1,0 +1,178 @@
+"""``eta="auto"`` re-measuring its curvature during the run (``remeasure_epochs``),
+against exact values."""
+
+import copy
+
+import pyro
+import pytest
+import torch
+from pyro.infer import TraceMeanField_ELBO
+
+from pyro_pdvi import PDVI
+from pyro_pdvi.models.quadratic import Quadratic
+from tests.infer.test_pdvi_pyro import Hierarchical, _run
+
+
+def _quadratic_pdvi(problem, **kwargs):
+    return PDVI(
+        problem.model,
+        problem.guide,
+        pyro.optim.Adam({"lr": 0.1}),
+        problem.loss,
+        blocks=problem.blocks,
+        inner_steps=30,
+        **kwargs,
+    )
+
+
+def _exact_reduced_curvatures(problem):
+    """Per block, the largest eigenvalue of each group's block of the reduced Hessian
+    ``sum_i (Q_ll - Q_lp Q_pp^-1 Q_pl) + (|b|/N) r I`` of ``min_phi f_b``."""
+    p, qa = problem.p, problem.qa
+    out = []
+    for block in problem.blocks:
+        q = problem.Q[block]
+        schur = q[:, p:, p:] - q[:, p:, :p] @ torch.linalg.solve(q[:, :p, :p], q[:, :p, p:])
+        reduced = schur.sum(0) + len(block) / problem.N * problem.reg * torch.eye(schur.shape[-1])
+        out.append(
+            [torch.linalg.eigvalsh(reduced[:qa, :qa]).max(), torch.linalg.eigvalsh(reduced[qa:, qa:]).max()]
+        )
+    return torch.tensor(out)
+
+
+def test_auto_eta_is_exact_on_the_quadratic_at_set_up_and_after_a_remeasure():
+    problem = Quadratic(num_data=12, num_blocks=4, dim_a=1, dim_b=1, scale_b=3.0)
+    exact = _exact_reduced_curvatures(problem).amax(0)
+    pdvi = _quadratic_pdvi(
+        problem, groups="per_site", curvature_blocks=4, curvature_iterations=1, remeasure_epochs=(1,)
+    )
+    for step, b in enumerate([0, 1, 2, 3]):
+        pdvi.step(problem.blocks[b])
+        # The reduced curvature of a quadratic is the same everywhere: a re-measure finds it again.
+        curvatures = torch.tensor(list(pdvi.curvatures.values()))
+        assert torch.allclose(curvatures, exact, rtol=1e-6), step
+        etas = torch.tensor(list(pdvi.step_sizes.values()))
+        assert torch.allclose(etas, pdvi.eta_scale / curvatures, rtol=1e-12)
+        assert pdvi.diagnostics["curvatures"] == pdvi.curvatures
+
+
+def _record_measurements(pdvi):
+    measured = []
+    original = pdvi._estimate_curvatures
+
+    def recording(args, kwargs):
+        value = original(args, kwargs)
+        measured.append((pdvi.num_steps, value.clone()))
+        return value
+
+    pdvi._estimate_curvatures = recording
+    return measured
+
+
+def test_remeasure_keeps_the_largest_curvature_and_leaves_fixed_steps_alone():
+    problem = Quadratic(num_data=24, num_blocks=6, scale_b=3.0)
+    fixed_b = 0.002
+    pdvi = _quadratic_pdvi(
+        problem,
+        groups=[{"sites": ["a"], "name": "a"}, {"sites": ["b"], "eta": fixed_b, "name": "b"}],
+        curvature_blocks=1,
+        curvature_iterations=2,
+        remeasure_epochs=(2, 0.5, 1),  # sorted: after 3, 6 and 12 block visits
+    )
+    measured = _record_measurements(pdvi)
+    blocks = [0, 1, 2, 3, 4, 5] * 2
+    for b in blocks:
+        pdvi.step(problem.blocks[b])
+    # Set-up (before step 1), then after steps 3, 6 and 12.
+    assert [when for when, _ in measured] == [0, 3, 6, 12]
+    largest = torch.stack([value for _, value in measured]).amax(0)
+    assert pdvi.curvatures == {"a": float(largest[0]), "b": float(largest[1])}
+    assert pdvi.step_sizes == {"a": pdvi.eta_scale / float(largest[0]), "b": fixed_b}
+    assert pdvi.diagnostics["step_sizes"] == pdvi.step_sizes
+    # lambda_0 moved with h = H mean(mu); the param store holds it.
+    store = torch.cat([pyro.param("a").detach(), pyro.param("b").detach()])
+    assert torch.equal(store, pdvi.state.consensus)
+    # Different single blocks were measured, with different curvatures: the max moved.
+    assert len({float(value[0]) for _, value in measured}) > 1
+
+
+def test_changing_eta_mid_run_keeps_the_exact_fixed_point():
+    problem = Quadratic(num_data=12, num_blocks=4, scale_b=1.0)
+    phi_opt, lam_opt = problem.optimum()
+    pyro.set_rng_seed(1)  # set-up measures a block that is not the stiffest: eta shrinks at epoch 2
+    pdvi = _quadratic_pdvi(problem, curvature_blocks=1, curvature_iterations=2, remeasure_epochs=(1, 2, 3, 4))
+    etas = []
+    for _ in range(80):
+        for b in torch.randperm(len(problem.blocks)).tolist():
+            pdvi.step(problem.blocks[b])
+        etas.append(pdvi.step_sizes["default"])
+        lam = torch.cat([pyro.param("a").detach(), pyro.param("b").detach()])
+        error = float((lam - lam_opt).norm() / lam_opt.norm())
+        if error < 1e-9:
+            break
+    assert len(set(etas)) > 1  # the step size did change during the run
+    assert error <= 1e-8
+    # After an exact enough solve mu_b = -grad f_b, whatever eta was when it was taken.
+    phi = pyro.param("phi").detach()
+    for b, block in enumerate(problem.blocks):
+        gradient = problem.block_gradient(block, phi[block], pdvi.state.copies[b])
+        assert torch.allclose(pdvi.state.duals[b], -gradient, rtol=0, atol=1e-6 * gradient.abs().max())
+
+
+def test_checkpoint_round_trip_across_a_remeasure():
+    problem = Hierarchical(num_data=24, num_blocks=4)
+    schedule = [0, 2, 1, 3, 3, 0, 1, 2, 0, 3]
+
+    def fresh():
+        guide = problem.auto_guide()
+        pdvi = PDVI(
+            problem.model,
+            guide,
+            pyro.optim.Adam({"lr": 0.05}),
+            TraceMeanField_ELBO(num_particles=4, vectorize_particles=True),
+            blocks=problem.blocks,
+            groups="per_site",
+            inner_steps=8,
+            curvature_blocks=1,
+            curvature_iterations=2,
+            remeasure_epochs=(1, 2),  # after steps 4 and 8: one before the save, one after
+        )
+        return guide, pdvi
+
+    _, pdvi = fresh()
+    _run(pdvi, problem.blocks, schedule[:6])
+    saved_pdvi = copy.deepcopy(pdvi.state_dict())
+    saved_store = copy.deepcopy(pyro.get_param_store().get_state())
+    uninterrupted = _run(pdvi, problem.blocks, schedule[6:])
+    uninterrupted_store = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(123)
+    guide, resumed_pdvi = fresh()
+    pyro.get_param_store().set_state(saved_store)
+    guide(problem.blocks[0])
+    resumed_pdvi.load_state_dict(saved_pdvi)
+    resumed = _run(resumed_pdvi, problem.blocks, schedule[6:])
+
+    assert resumed_pdvi.step_sizes == pdvi.step_sizes
+    assert resumed_pdvi.curvatures == pdvi.curvatures
+    assert resumed_pdvi.state_dict()["remeasured"] == pdvi.state_dict()["remeasured"] == 2
+    assert torch.allclose(resumed, uninterrupted, rtol=0, atol=1e-10)
+    for name, value in pyro.get_param_store().items():
+        assert torch.allclose(value.detach(), uninterrupted_store[name], rtol=0, atol=1e-10), name
+
+
+@pytest.mark.parametrize(
+    "value", ["1", 1, (0,), (-1.0,), (float("nan"),), (float("inf"),), (True,), ("1",)], ids=repr
+)
+def test_remeasure_epochs_validation(value):
+    problem = Hierarchical(num_data=20, num_blocks=4)
+    with pytest.raises(ValueError, match="Invalid remeasure_epochs"):
+        PDVI(
+            problem.model,
+            problem.guide,
+            pyro.optim.Adam({"lr": 0.05}),
+            TraceMeanField_ELBO(num_particles=8, vectorize_particles=True),
+            blocks=problem.blocks,
+            remeasure_epochs=value,
+        )
