@@ -67,15 +67,14 @@ def test_global_update_noise_benchmark_tiny():
             "1",
             "--seeds",
             "1",
+            "--frozen",
         ]
     )
     rows = module.main(args)
-    assert [row["method"] for row in rows] == [
-        "PDVI auto",
-        "PDVI paper",
-        "PDVI consensus",
-        "SVI+Adam lr=0.05",
-    ]
+    methods = ["PDVI auto", "PDVI paper", "PDVI consensus", "SVI+Adam lr=0.05", "fixed-noise optimum"]
+    assert [row["method"] for row in rows] == methods + [f"{m}, antithetic" for m in methods]
+    # The fixed-noise optimum of a Gaussian target with antithetic pairs has the exact mean.
+    assert rows[-1]["rms_error"] < 1e-8
     assert all(row["rms_error"] >= 0 and row["rms_scale_error"] >= 0 for row in rows)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
 
 from pyro_pdvi import PDVI, AntitheticNoise
 
@@ -65,6 +65,20 @@ def test_autonormal_noise_averages_to_zero_in_every_site():
         assert noise_mean.abs().max() < 1e-12
 
 
+@pytest.mark.parametrize("guide_class", [AutoDiagonalNormal, AutoMultivariateNormal])
+def test_joint_gaussian_autoguides_draw_mirrored_latents(guide_class):
+    def model():
+        a = pyro.sample("a", dist.Normal(0.0, 1.0))
+        pyro.sample("b", dist.LogNormal(a, 1.0))
+
+    guide = guide_class(model)
+    guide()  # build the params
+    nodes = _particle_trace(guide)
+    latent = nodes[f"_{guide_class.__name__}_latent"]["value"]
+    assert latent.shape == (K, 1, 2)
+    assert _is_mirrored(latent, pyro.param(f"{guide_class.__name__}.loc").detach())
+
+
 def test_odd_or_missing_particles_are_an_error_naming_the_site():
     with pytest.raises(ValueError, match='site "normal".*even num_particles'):
         _particle_trace(_guide, num_particles=3)
@@ -96,6 +110,19 @@ def test_pdvi_rejects_an_elbo_without_paired_particles():
             blocks=problem.blocks,
             antithetic="yes",
         )
+
+
+def test_antithetic_auto_is_on_exactly_for_paired_vectorized_particles():
+    problem = Hierarchical(num_data=20, num_blocks=2)
+
+    def pdvi(loss):
+        return PDVI(problem.model, problem.guide, pyro.optim.Adam({"lr": 0.1}), loss, blocks=problem.blocks)
+
+    assert pdvi(TraceMeanField_ELBO(num_particles=8, vectorize_particles=True)).antithetic is True
+    assert pdvi(TraceMeanField_ELBO(num_particles=7, vectorize_particles=True)).antithetic is False
+    assert pdvi(TraceMeanField_ELBO(num_particles=8)).antithetic is False
+    assert pdvi(Trace_ELBO()).antithetic is False
+    assert pdvi(Trace_ELBO().differentiable_loss).antithetic is False
 
 
 def test_svi_steps_under_antithetic_noise():
