@@ -88,6 +88,7 @@ def _two_loop_direction(
     curvatures: torch.Tensor,
     head: torch.Tensor,
     count: torch.Tensor,
+    max_pairs: int,
 ) -> torch.Tensor:
     """``-H_b g_b`` for every block by the two-loop recursion [2, Alg. 7.4], each block
     with its own ``count[b]`` newest pairs; with no pair, ``-g_b / max(1, |g_b|_1)``.
@@ -98,29 +99,33 @@ def _two_loop_direction(
     :param curvatures: ``<s, y>`` of each slot, ``(m, H)``.
     :param head: each block's next slot to write, ``(m,)``.
     :param count: each block's number of valid pairs, ``(m,)``.
+    :param max_pairs: a bound on ``count`` known on the host (at most one pair is stored
+        per iteration); the pairs beyond it would all be masked out.
     """
     m, history, p = steps.shape
-    ages = torch.arange(history, device=grad.device)
-    # Slot of the k-th newest pair of each block, newest first; one gather, no host reads.
-    order = (head[:, None] - 1 - ages) % history
-    s_ordered = steps.gather(1, order[:, :, None].expand(m, history, p))
-    y_ordered = grad_changes.gather(1, order[:, :, None].expand(m, history, p))
-    sy_ordered = curvatures.gather(1, order)
-    valid = ages[None, :] < count[:, None]
-    zero = grad.new_zeros(())
     q = -grad
-    alphas = []
-    for k in range(history):
-        alpha = torch.where(valid[:, k], (s_ordered[:, k] * q).sum(1) / sy_ordered[:, k], zero)
-        q = q - alpha[:, None] * y_ordered[:, k]
-        alphas.append(alpha)
-    newest_yy = (y_ordered[:, 0] * y_ordered[:, 0]).sum(1)
-    scaled = q * (sy_ordered[:, 0] / newest_yy)[:, None]  # gamma = s'y / y'y [2, eq. 7.20]
-    unscaled = q / grad.abs().sum(1).clamp(min=1.0)[:, None]
-    q = torch.where((count > 0)[:, None], scaled, unscaled)
-    for k in reversed(range(history)):
-        beta = (y_ordered[:, k] * q).sum(1) / sy_ordered[:, k]
-        q = q + torch.where(valid[:, k], alphas[k] - beta, zero)[:, None] * s_ordered[:, k]
+    unscaled_norm = grad.abs().sum(1).clamp(min=1.0)[:, None]
+    if max_pairs == 0:
+        return q / unscaled_norm
+    zero = grad.new_zeros(())
+    pairs = []
+    for k in range(max_pairs):
+        # The k-th newest pair of each block (its own slot: gather, no host reads). A block
+        # with fewer pairs gets alpha = 0, which leaves q exactly as it is.
+        slot = (head - 1 - k) % history
+        s_k = steps.gather(1, slot[:, None, None].expand(m, 1, p)).squeeze(1)
+        y_k = grad_changes.gather(1, slot[:, None, None].expand(m, 1, p)).squeeze(1)
+        sy_k = curvatures.gather(1, slot[:, None]).squeeze(1)
+        valid = count > k
+        alpha = torch.where(valid, torch.linalg.vecdot(s_k, q) / sy_k, zero)
+        q = q - alpha[:, None] * y_k
+        pairs.append((s_k, y_k, sy_k, valid, alpha))
+    s_new, y_new, sy_new = pairs[0][:3]
+    scaled = q * (sy_new / torch.linalg.vecdot(y_new, y_new))[:, None]  # s'y / y'y [2, eq. 7.20]
+    q = torch.where((count > 0)[:, None], scaled, q / unscaled_norm)
+    for s_k, y_k, sy_k, valid, alpha in reversed(pairs):
+        beta = torch.linalg.vecdot(y_k, q) / sy_k
+        q = q + torch.where(valid, alpha - beta, zero)[:, None] * s_k
     return q
 
 
@@ -193,7 +198,9 @@ def batched_lbfgs(
 
     for iteration in range(max_iter):
         active = running()
-        direction = _two_loop_direction(grad, steps, grad_changes, curvatures, head, count)
+        direction = _two_loop_direction(
+            grad, steps, grad_changes, curvatures, head, count, min(iteration, history_size)
+        )
         slope = (grad * direction).sum(1)
         # Not a descent direction: restart that block from scaled steepest descent.
         restart = ~(slope < 0)
@@ -224,11 +231,11 @@ def batched_lbfgs(
         store = accept & (sy > 1e-12 * s.norm(dim=1) * y.norm(dim=1))
         # Write slot head[b] of the blocks that store a pair (gather/scatter: no host reads).
         slot = head[:, None, None].expand(m, 1, p)
-        steps = steps.scatter(1, slot, torch.where(store[:, None, None], s[:, None], steps.gather(1, slot)))
-        grad_changes = grad_changes.scatter(
+        steps.scatter_(1, slot, torch.where(store[:, None, None], s[:, None], steps.gather(1, slot)))
+        grad_changes.scatter_(
             1, slot, torch.where(store[:, None, None], y[:, None], grad_changes.gather(1, slot))
         )
-        curvatures = curvatures.scatter(
+        curvatures.scatter_(
             1, head[:, None], torch.where(store[:, None], sy[:, None], curvatures.gather(1, head[:, None]))
         )
         head = torch.where(store, (head + 1) % history_size, head)
