@@ -35,7 +35,7 @@ def test_lbfgs_comparison_tiny(tmp_path):
     module = load("benchmark_vectorized_blocks")
     args = module.parse_args(
         ["--compare-lbfgs", "--configs", "2x5", "--particles", "1", "--inner-steps", "3"]
-        + ["--reference-steps", "5", "--out", str(tmp_path)]
+        + ["--reference-steps", "5", "--solve-repeats", "1", "--out", str(tmp_path)]
     )
     rows = module.main(args)
     assert [r["solver"] for r in rows] == ["joint", "per-block"]
