@@ -2,12 +2,14 @@
 
 from .blocks import BlockPartition
 from .consensus import ConsensusState
+from .lbfgs import BatchedLBFGSResult, batched_lbfgs
 from .pdvi import PDVI, NonFiniteStepError
 from .primal import BlockBatch, BlockBatchSolution, BlockProblem, BlockSolution, LocalSolver
 from .vectorized import VectorizationError
 
 __all__ = [
     "PDVI",
+    "BatchedLBFGSResult",
     "BlockBatch",
     "BlockBatchSolution",
     "BlockPartition",
@@ -17,4 +19,5 @@ __all__ = [
     "LocalSolver",
     "NonFiniteStepError",
     "VectorizationError",
+    "batched_lbfgs",
 ]
