@@ -107,25 +107,28 @@ def _two_loop_direction(
     unscaled_norm = grad.abs().sum(1).clamp(min=1.0)[:, None]
     if max_pairs == 0:
         return q / unscaled_norm
-    zero = grad.new_zeros(())
-    pairs = []
+    # Slots of each block's max_pairs newest pairs, newest first. Indexing by long tensors
+    # copies whole rows of p (faster than an element-wise gather) and reads no value on the host.
+    order = (head[:, None] - 1 - torch.arange(max_pairs, device=grad.device)) % history
+    blocks = torch.arange(m, device=grad.device)[:, None]
+    s_ordered = steps[blocks, order]
+    y_ordered = grad_changes[blocks, order]
+    sy_ordered = curvatures[blocks, order]
+    # rho = 1 / s'y, and 0 for the pairs a block does not have: their alpha and beta are
+    # then 0 and leave q exactly as it is.
+    valid = torch.arange(max_pairs, device=grad.device)[None, :] < count[:, None]
+    rho = torch.where(valid, 1.0 / sy_ordered, grad.new_zeros(()))
+    alphas = []
     for k in range(max_pairs):
-        # The k-th newest pair of each block (its own slot: gather, no host reads). A block
-        # with fewer pairs gets alpha = 0, which leaves q exactly as it is.
-        slot = (head - 1 - k) % history
-        s_k = steps.gather(1, slot[:, None, None].expand(m, 1, p)).squeeze(1)
-        y_k = grad_changes.gather(1, slot[:, None, None].expand(m, 1, p)).squeeze(1)
-        sy_k = curvatures.gather(1, slot[:, None]).squeeze(1)
-        valid = count > k
-        alpha = torch.where(valid, torch.linalg.vecdot(s_k, q) / sy_k, zero)
-        q = q - alpha[:, None] * y_k
-        pairs.append((s_k, y_k, sy_k, valid, alpha))
-    s_new, y_new, sy_new = pairs[0][:3]
-    scaled = q * (sy_new / torch.linalg.vecdot(y_new, y_new))[:, None]  # s'y / y'y [2, eq. 7.20]
+        alpha = torch.linalg.vecdot(s_ordered[:, k], q) * rho[:, k]
+        q = torch.addcmul(q, alpha[:, None], y_ordered[:, k], value=-1)
+        alphas.append(alpha)
+    y_newest = y_ordered[:, 0]
+    scaled = q * (sy_ordered[:, 0] / torch.linalg.vecdot(y_newest, y_newest))[:, None]  # [2, eq. 7.20]
     q = torch.where((count > 0)[:, None], scaled, q / unscaled_norm)
-    for s_k, y_k, sy_k, valid, alpha in reversed(pairs):
-        beta = torch.linalg.vecdot(y_k, q) / sy_k
-        q = q + torch.where(valid, alpha - beta, zero)[:, None] * s_k
+    for k in reversed(range(max_pairs)):
+        beta = torch.linalg.vecdot(y_ordered[:, k], q) * rho[:, k]
+        q = torch.addcmul(q, (alphas[k] - beta)[:, None], s_ordered[:, k])
     return q
 
 
