@@ -3,6 +3,7 @@
 from .antithetic import AntitheticNoise
 from .blocks import BlockPartition
 from .consensus import ConsensusState
+from .lbfgs import BatchedLBFGSResult, batched_lbfgs
 from .pdvi import PDVI, NonFiniteStepError
 from .primal import BlockBatch, BlockBatchSolution, BlockProblem, BlockSolution, LocalSolver
 from .vectorized import VectorizationError
@@ -10,6 +11,7 @@ from .vectorized import VectorizationError
 __all__ = [
     "PDVI",
     "AntitheticNoise",
+    "BatchedLBFGSResult",
     "BlockBatch",
     "BlockBatchSolution",
     "BlockPartition",
@@ -19,4 +21,5 @@ __all__ = [
     "LocalSolver",
     "NonFiniteStepError",
     "VectorizationError",
+    "batched_lbfgs",
 ]

@@ -7,10 +7,12 @@ one Pyro loss per evaluation; here the ``m`` blocks' copies ``lambda_b`` and row
 axis by ``torch.func.vmap``, so one evaluation of the model and guide gives all ``m``
 block objectives ``f_b`` (:class:`BatchedBlockObjective`).
 
-The joint problem ``min sum_b L_b`` is separable across blocks, so its minimiser is
-each block's minimiser: :class:`VectorizedBlockSolver` runs one solve over all blocks'
-variables (L-BFGS, or the PyroOptim, which is coordinate-wise and so identical to
-the loop) and returns a :class:`~pyro_pdvi.infer.primal.BlockBatchSolution`.
+The blocks' problems are independent, so :class:`VectorizedBlockSolver` solves each as
+its own: with L-BFGS, one L-BFGS per block, all in one batched pass without host
+synchronisation (:func:`~pyro_pdvi.infer.lbfgs.batched_lbfgs`: its own history, step
+length and acceptance per block); with the PyroOptim (coordinate-wise, so identical to
+the loop) by one optimizer over all blocks' variables. It returns a
+:class:`~pyro_pdvi.infer.primal.BlockBatchSolution`.
 
 Pyro 1.9's ELBOs do a few things inside the loss that ``vmap`` refuses (measured with
 pyro-ppl 1.9.2, torch 2.13): validation checks that branch on tensor values;
@@ -62,6 +64,7 @@ from torch.distributions import constraints, transform_to
 from torch.overrides import TorchFunctionMode
 
 from .handlers import BlockSubsample, FixedNoise, ParamOverride
+from .lbfgs import batched_lbfgs
 from .primal import INNER_SOLVERS, BlockBatch, BlockBatchSolution, minimize
 from .sites import DataPlate, GlobalLayout, LocalSite
 
@@ -402,14 +405,17 @@ class _MappedLossAndGradient(torch.autograd.Function):
 class VectorizedBlockSolver:
     """The generic primal solve of a step's equal-size blocks in one vectorized pass.
 
-    Minimises ``sum_b L_b`` jointly over all blocks' variables; the sum is separable, so
-    the minimiser is every block's own. With ``inner_solver="lbfgs"`` the globals are
-    whitened as in the loop, ``lambda_b = lambda_0 + sqrt(eta) z_b``; with ``"optim"``
-    the (coordinate-wise) torch optimizer takes the same steps as the loop would.
+    With ``inner_solver="lbfgs"`` every block runs its own L-BFGS
+    (:func:`~pyro_pdvi.infer.lbfgs.batched_lbfgs`) on its globals, whitened as in the
+    loop, ``lambda_b = lambda_0 + sqrt(eta) z_b``, and its rows; a block's iterates do
+    not depend on the other blocks. With ``"optim"`` one torch optimizer minimises
+    ``sum_b L_b`` over all blocks' variables; it is coordinate-wise, so it takes the
+    steps the loop would.
 
     :param objective: the batched block objective.
     :param inner_solver: ``"lbfgs"`` or ``"optim"``.
-    :param inner_steps: iterations of the joint solve.
+    :param inner_steps: iterations of each block's solve (for ``"lbfgs"``: evaluations,
+        one per iteration, rejected trial steps included).
     :param optim: the PyroOptim for ``inner_solver="optim"``.
     """
 
@@ -437,31 +443,70 @@ class VectorizedBlockSolver:
         """
         num_blocks = len(batch)
         consensus = {k: v.expand(num_blocks, *v.shape) for k, v in batch.consensus.items()}
-        if self.inner_solver == "lbfgs":
-            root = {k: v.sqrt() for k, v in batch.step_sizes.items()}
-            free = {k: torch.zeros_like(v, requires_grad=True) for k, v in consensus.items()}
 
-            def current_copies() -> dict[str, torch.Tensor]:
-                return {k: consensus[k] + root[k] * z for k, z in free.items()}
-
-        else:
-            free = {k: v.detach().clone().requires_grad_() for k, v in consensus.items()}
-
-            def current_copies() -> dict[str, torch.Tensor]:
-                return free
-
-        rows = {k: v.detach().clone().requires_grad_() for k, v in batch.local.items()}
-
-        def block_losses(copies: dict[str, torch.Tensor]) -> torch.Tensor:
+        def block_losses(copies: dict[str, torch.Tensor], rows: dict[str, torch.Tensor]) -> torch.Tensor:
             with noise() if noise is not None else contextlib.nullcontext():
                 return self.objective(batch.indices, copies, rows, batch.args, batch.kwargs)
 
-        def augmented_lagrangians() -> torch.Tensor:
-            copies = current_copies()
-            return (block_losses(copies) + batch.penalty(copies)).sum()
+        if self.inner_solver == "lbfgs":
+            copies, rows = self._solve_by_lbfgs(batch, consensus, block_losses)
+        else:
+            free = {k: v.detach().clone().requires_grad_() for k, v in consensus.items()}
+            leaves = {k: v.detach().clone().requires_grad_() for k, v in batch.local.items()}
 
-        minimize(augmented_lagrangians, {**free, **rows}, self.inner_solver, self.inner_steps, self.optim)
-        copies = {k: v.detach() for k, v in current_copies().items()}
+            def augmented_lagrangians() -> torch.Tensor:
+                return (block_losses(free, leaves) + batch.penalty(free)).sum()
+
+            # The PyroOptim's torch optimizer is coordinate-wise: it takes the loop's steps.
+            minimize(
+                augmented_lagrangians, {**free, **leaves}, self.inner_solver, self.inner_steps, self.optim
+            )
+            copies = {k: v.detach() for k, v in free.items()}
+            rows = {k: v.detach() for k, v in leaves.items()}
         # TraceEnum_ELBO's differentiable_loss refuses a loss that nothing requires grad of.
-        losses = block_losses({k: v.clone().requires_grad_() for k, v in copies.items()})
-        return BlockBatchSolution(copies, {k: v.detach() for k, v in rows.items()}, losses.detach())
+        losses = block_losses({k: v.clone().requires_grad_() for k, v in copies.items()}, rows)
+        return BlockBatchSolution(copies, rows, losses.detach())
+
+    def _solve_by_lbfgs(
+        self,
+        batch: BlockBatch,
+        consensus: dict[str, torch.Tensor],
+        block_losses: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Every block's own L-BFGS (:func:`~pyro_pdvi.infer.lbfgs.batched_lbfgs`) on its
+        whitened globals ``z_b`` and its rows, flattened into row ``b`` of one ``(m, p)``
+        variable. On a CPU the solve stops as soon as every block has stopped (a host
+        read costs nothing there); elsewhere it runs ``inner_steps`` iterations without
+        reading a value on the host.
+
+        :returns: the copies ``lambda_b`` and rows ``phi_b`` at the solution (detached).
+        """
+        num_blocks = len(batch)
+        # Whitened globals, lambda_b = lambda_0 + sqrt(eta) * z_b, as in the loop.
+        root = {k: v.sqrt() for k, v in batch.step_sizes.items()}
+        shapes = {k: v.shape[1:] for k, v in consensus.items()}
+        shapes.update({k: v.shape[1:] for k, v in batch.local.items()})
+        sizes = [shape.numel() for shape in shapes.values()]
+        start = torch.cat(
+            [v.new_zeros(num_blocks, v[0].numel()) for v in consensus.values()]
+            + [v.detach().reshape(num_blocks, -1) for v in batch.local.values()],
+            dim=1,
+        )
+
+        def unpack(x: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+            parts = {
+                k: part.reshape(num_blocks, *shape)
+                for (k, shape), part in zip(shapes.items(), x.split(sizes, dim=1))
+            }
+            copies = {k: consensus[k] + root[k] * parts[k] for k in consensus}
+            return copies, {k: parts[k] for k in batch.local}
+
+        def augmented_lagrangians(x: torch.Tensor) -> torch.Tensor:
+            copies, rows = unpack(x)
+            return block_losses(copies, rows) + batch.penalty(copies)
+
+        check_every = 1 if start.device.type == "cpu" else None
+        result = batched_lbfgs(augmented_lagrangians, start, self.inner_steps, check_every=check_every)
+        with torch.no_grad():
+            copies, rows = unpack(result.x)
+        return copies, rows
