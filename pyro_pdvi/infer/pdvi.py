@@ -150,7 +150,9 @@ class PDVI:
     :param warmup_epochs: epochs (block visits / n) of the paper's rule before
         ``"auto"`` switches to the consensus rule for a Monte Carlo solve.
     :param inner_solver: ``"lbfgs"`` (default) or ``"optim"``.
-    :param inner_steps: iterations of the primal solve.
+    :param inner_steps: iterations of the primal solve (with ``vectorize_blocks`` and
+        L-BFGS, each block's evaluations, rejected trial steps included: see
+        :func:`~pyro_pdvi.infer.lbfgs.batched_lbfgs`).
     :param local_solver: optional callable :class:`BlockProblem` ->
         :class:`BlockSolution` that replaces the generic primal solve, e.g. a
         model's closed-form coordinate descent.
