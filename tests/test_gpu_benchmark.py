@@ -27,7 +27,15 @@ def test_gpu_benchmark_tiny_on_cpu(benchmark, tmp_path):
     )  # fmt: skip
     rows = benchmark.main(args)
     assert not [row for row in rows if row["method"] in ("FAILED", "skipped")]
-    assert {row["section"] for row in rows} == {"cavi", "closed-form", "engine", "generic", "svi", "floor"}
+    assert {row["section"] for row in rows} == {
+        "cavi",
+        "closed-form",
+        "engine",
+        "generic",
+        "generic-vmap",
+        "svi",
+        "floor",
+    }
     epochs = [row for row in rows if row["section"] == "closed-form"]
     assert [row["blocks_per_step"] for row in epochs] == [1, 2, 4, 1, 2, 4]
     assert all(row["ms"] > 0 for row in epochs)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one run on a CUDA machine whose Python has torch but
+# not Pyro and no network (docs/benchmarks.md, sections 5, 7 and 10):
+#
+#   bash examples/device_checks.sh WHEEL_FOLDER OUT_FOLDER
+#
+# WHEEL_FOLDER holds pyro-ppl and pyro-api wheels for that Python (see the docstring of
+# examples/gpu_benchmark.py); results land in OUT_FOLDER: the CUDA tests, the GPU benchmark
+# table, and the spatial-domains figures and timings at 20k and 150k spots.
+set -uo pipefail
+wheels=${1:?give the folder of wheel files}
+out=${2:?give the output folder}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$wheels"/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+{
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    python3 -c "import sys, torch, pyro; print(sys.version.split()[0], torch.__version__, pyro.__version__)"
+} | tee "$out/machine.txt"
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/spatial/test_fit.py -k cuda \
+    2>&1 | tee "$out/pytest_cuda.txt"
+timeout 240 python3 examples/gpu_benchmark.py --device cuda --budget 200 --out "$out" \
+    2>&1 | tee "$out/gpu_benchmark.txt"
+timeout 200 python3 examples/spatial_domains.py --device cuda --quiet --out "$out/spatial" \
+    2>&1 | tee "$out/spatial_domains.txt"
