@@ -36,11 +36,6 @@ from pyro_pdvi.infer.handlers import FixedNoise
 from pyro_pdvi.infer.primal import lbfgs
 
 
-def remeasure_option(text: str | None) -> dict:
-    """PDVI's ``remeasure_epochs`` from a comma list ('' for none); nothing if not given."""
-    return {} if text is None else {"remeasure_epochs": tuple(float(v) for v in text.split(",") if v)}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -56,8 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eta-scale", type=float, default=2.0, help="PDVI eta_scale")
     parser.add_argument(
         "--remeasure-epochs",
-        default=None,
-        help="PDVI remeasure_epochs, comma list ('' for none; not given: PDVI's default)",
+        type=lambda text: tuple(float(v) for v in text.split(",") if v),
+        default=(),
+        help="PDVI remeasure_epochs, a comma list of epochs (default: none)",
     )
     parser.add_argument(
         "--rules", default="auto,paper,consensus", help="PDVI global_update rules (comma list)"
@@ -188,7 +184,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                     eta_scale=args.eta_scale,
                     inner_steps=10,
                     antithetic=antithetic,
-                    **remeasure_option(args.remeasure_epochs),
+                    remeasure_epochs=args.remeasure_epochs,
                 )
             svi_class = AntitheticSVI if antithetic else SVI
             methods[f"SVI+Adam lr={args.svi_lr:g}{tag}"] = lambda svi_class=svi_class: svi_class(

@@ -43,11 +43,6 @@ from pyro_pdvi.models import (
 from pyro_pdvi.models.gmm import expected_log_likelihood
 
 
-def remeasure_option(text: str | None) -> dict:
-    """PDVI's ``remeasure_epochs`` from a comma list ('' for none); nothing if not given."""
-    return {} if text is None else {"remeasure_epochs": tuple(float(v) for v in text.split(",") if v)}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -82,8 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eta-scales", default="2", help="PDVI eta_scale values to run (comma list)")
     parser.add_argument(
         "--remeasure-epochs",
-        default=None,
-        help="PDVI remeasure_epochs, comma list ('' for none; not given: PDVI's default)",
+        type=lambda text: tuple(float(v) for v in text.split(",") if v),
+        default=(),
+        help="PDVI remeasure_epochs, a comma list of epochs (default: none)",
     )
     parser.add_argument("--inner-steps", type=int, default=10, help="L-BFGS iterations per PDVI primal solve")
     parser.add_argument("--seed", type=int, default=0)
@@ -203,7 +199,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                         inner_steps=args.inner_steps,
                         local_solver=local_solver,
                         antithetic=antithetic,
-                        **remeasure_option(args.remeasure_epochs),
+                        remeasure_epochs=args.remeasure_epochs,
                     ),
                     gmm,
                     blocks,

@@ -106,11 +106,6 @@ def pairs(text: str) -> list[tuple[float, float]]:
     return out
 
 
-def remeasure_option(text: str | None) -> dict:
-    """PDVI's ``remeasure_epochs`` from a comma list ('' for none); nothing if not given."""
-    return {} if text is None else {"remeasure_epochs": tuple(float(v) for v in text.split(",") if v)}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -170,8 +165,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     run.add_argument(
         "--remeasure-epochs",
-        default=None,
-        help="PDVI remeasure_epochs, comma list ('' for none; not given: PDVI's default)",
+        type=lambda text: tuple(float(v) for v in text.split(",") if v),
+        default=(),
+        help="PDVI remeasure_epochs, a comma list of epochs (default: none)",
     )
     run.add_argument("--sweeps", type=int, default=10, help="coordinate-descent sweeps of GMMBlockSolver")
     run.add_argument(
@@ -444,7 +440,7 @@ def runs_for(
                 local_solver=local_solver,
                 curvature_blocks=args.curvature_blocks,
                 curvature_iterations=args.curvature_iterations,
-                **remeasure_option(args.remeasure_epochs),
+                remeasure_epochs=args.remeasure_epochs,
             )
         )
 

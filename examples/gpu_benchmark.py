@@ -465,25 +465,12 @@ class _CallOnly:
         return self._call(problem)
 
 
-def run_generic(bench: Bench, setup: Setup) -> None:
-    pdvi = make_pdvi(setup, None, inner_steps=bench.args.inner_steps)
-    blocks = setup.blocks
-    counter = iter(range(10**9))
-
-    def step():
-        pdvi.step(blocks[next(counter) % len(blocks)])
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the one-particle warning: this is a timing
-        seconds = bench.time(step, repeats=min(bench.args.repeats, 3))
-    note = f"L-BFGS, {bench.args.inner_steps} iterations, TraceEnum_ELBO"
-    bench.add("generic", "PDVI.step, generic path, one block", 1, setup.block_size, seconds, note)
-
-
-def run_generic_vectorized(bench: Bench, setup: Setup, per_step: int = 8) -> None:
-    """Steps of ``per_step`` equal blocks in one vmapped pass, each block its own L-BFGS
-    (``batched_lbfgs``, no host read in its loop)."""
-    pdvi = make_pdvi(setup, None, inner_steps=bench.args.inner_steps, vectorize_blocks=True)
+def run_generic(bench: Bench, setup: Setup, per_step: int = 1) -> None:
+    """Generic-path steps (L-BFGS through ``TraceEnum_ELBO``): one block per step, or
+    ``per_step`` equal blocks in one vmapped pass, each block its own L-BFGS
+    (``vectorize_blocks=True``; ``batched_lbfgs``, no host read in its loop)."""
+    vectorize = per_step > 1
+    pdvi = make_pdvi(setup, None, inner_steps=bench.args.inner_steps, vectorize_blocks=vectorize)
     steps = step_subsamples(setup, min(per_step, len(setup.blocks)))
     steps = [s for s in steps if len(s) == len(steps[0])]
     counter = iter(range(10**9))
@@ -495,8 +482,12 @@ def run_generic_vectorized(bench: Bench, setup: Setup, per_step: int = 8) -> Non
         warnings.simplefilter("ignore")  # the one-particle warning: this is a timing
         seconds = bench.time(step, repeats=min(bench.args.repeats, 3))
     blocks = len(steps[0]) // setup.block_size
-    note = f"vmap + per-block L-BFGS, {bench.args.inner_steps} evaluations, TraceEnum_ELBO"
-    bench.add("generic-vmap", "PDVI.step, generic path, vectorized", blocks, len(steps[0]), seconds, note)
+    if vectorize:
+        note = f"vmap + per-block L-BFGS, {bench.args.inner_steps} evaluations, TraceEnum_ELBO"
+        bench.add("generic-vmap", "PDVI.step, generic path, vectorized", blocks, len(steps[0]), seconds, note)
+    else:
+        note = f"L-BFGS, {bench.args.inner_steps} iterations, TraceEnum_ELBO"
+        bench.add("generic", "PDVI.step, generic path, one block", 1, setup.block_size, seconds, note)
 
 
 def run_svi(bench: Bench, setup: Setup) -> None:
@@ -565,7 +556,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     bench.section("closed-form", lambda: run_closed_form(bench, setup))
     bench.section("engine", lambda: run_engine(bench, setup))
     bench.section("generic", lambda: run_generic(bench, setup))
-    bench.section("generic-vmap", lambda: run_generic_vectorized(bench, setup))
+    bench.section("generic-vmap", lambda: run_generic(bench, setup, per_step=8))
     bench.section("svi", lambda: run_svi(bench, setup))
     bench.section("floor", lambda: run_floor(bench, setup))
     print(f"# done in {bench.elapsed():.1f} s; table in {bench.csv_path}", flush=True)

@@ -1,8 +1,6 @@
 """``eta="auto"`` re-measuring its curvature during the run (``remeasure_epochs``),
 against exact values."""
 
-import copy
-
 import pyro
 import pytest
 import torch
@@ -10,7 +8,7 @@ from pyro.infer import TraceMeanField_ELBO
 
 from pyro_pdvi import PDVI
 from pyro_pdvi.models.quadratic import Quadratic
-from tests.infer.test_pdvi_pyro import Hierarchical, _run
+from tests.infer.test_pdvi_pyro import Hierarchical
 
 
 def _quadratic_pdvi(problem, **kwargs):
@@ -119,47 +117,7 @@ def test_changing_eta_mid_run_keeps_the_exact_fixed_point():
         assert torch.allclose(pdvi.state.duals[b], -gradient, rtol=0, atol=1e-6 * gradient.abs().max())
 
 
-def test_checkpoint_round_trip_across_a_remeasure():
-    problem = Hierarchical(num_data=24, num_blocks=4)
-    schedule = [0, 2, 1, 3, 3, 0, 1, 2, 0, 3]
-
-    def fresh():
-        guide = problem.auto_guide()
-        pdvi = PDVI(
-            problem.model,
-            guide,
-            pyro.optim.Adam({"lr": 0.05}),
-            TraceMeanField_ELBO(num_particles=4, vectorize_particles=True),
-            blocks=problem.blocks,
-            groups="per_site",
-            inner_steps=8,
-            curvature_blocks=1,
-            curvature_iterations=2,
-            remeasure_epochs=(1, 2),  # after steps 4 and 8: one before the save, one after
-        )
-        return guide, pdvi
-
-    _, pdvi = fresh()
-    _run(pdvi, problem.blocks, schedule[:6])
-    saved_pdvi = copy.deepcopy(pdvi.state_dict())
-    saved_store = copy.deepcopy(pyro.get_param_store().get_state())
-    uninterrupted = _run(pdvi, problem.blocks, schedule[6:])
-    uninterrupted_store = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
-
-    pyro.clear_param_store()
-    pyro.set_rng_seed(123)
-    guide, resumed_pdvi = fresh()
-    pyro.get_param_store().set_state(saved_store)
-    guide(problem.blocks[0])
-    resumed_pdvi.load_state_dict(saved_pdvi)
-    resumed = _run(resumed_pdvi, problem.blocks, schedule[6:])
-
-    assert resumed_pdvi.step_sizes == pdvi.step_sizes
-    assert resumed_pdvi.curvatures == pdvi.curvatures
-    assert resumed_pdvi.state_dict()["remeasured"] == pdvi.state_dict()["remeasured"] == 2
-    assert torch.allclose(resumed, uninterrupted, rtol=0, atol=1e-10)
-    for name, value in pyro.get_param_store().items():
-        assert torch.allclose(value.detach(), uninterrupted_store[name], rtol=0, atol=1e-10), name
+# The checkpoint round trip across a re-measure: tests/infer/test_pdvi_pyro.py.
 
 
 @pytest.mark.parametrize(

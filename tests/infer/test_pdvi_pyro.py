@@ -147,7 +147,16 @@ def _run(pdvi, blocks, schedule):
     return torch.stack(trajectory)
 
 
-def test_checkpoint_round_trip_continues_the_same_trajectory():
+REMEASURE = dict(curvature_blocks=1, curvature_iterations=2, remeasure_epochs=(1, 2))
+
+
+@pytest.mark.parametrize(
+    "options, saved_after, remeasures",
+    # remeasure_epochs=(1, 2): after steps 4 and 8, one before the save and one after.
+    [({}, 4, 0), (REMEASURE, 6, 2)],
+    ids=["plain", "across_a_remeasure"],
+)
+def test_checkpoint_round_trip_continues_the_same_trajectory(options, saved_after, remeasures):
     problem = Hierarchical(num_data=24, num_blocks=4)
     schedule = [0, 2, 1, 3, 3, 0, 1, 2, 0, 3]
 
@@ -162,14 +171,15 @@ def test_checkpoint_round_trip_continues_the_same_trajectory():
             blocks=problem.blocks,
             groups="per_site",
             inner_steps=8,
+            **options,
         )
         return guide, pdvi
 
     _, pdvi = fresh()
-    _run(pdvi, problem.blocks, schedule[:4])
+    _run(pdvi, problem.blocks, schedule[:saved_after])
     saved_pdvi = copy.deepcopy(pdvi.state_dict())
     saved_store = copy.deepcopy(pyro.get_param_store().get_state())
-    uninterrupted = _run(pdvi, problem.blocks, schedule[4:])
+    uninterrupted = _run(pdvi, problem.blocks, schedule[saved_after:])
     uninterrupted_store = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
 
     pyro.clear_param_store()
@@ -180,10 +190,12 @@ def test_checkpoint_round_trip_continues_the_same_trajectory():
     # PDVI's noise comes from its own generator, saved in the state: torch's RNG history
     # (different here) does not matter.
     resumed_pdvi.load_state_dict(saved_pdvi)
-    resumed = _run(resumed_pdvi, problem.blocks, schedule[4:])
+    resumed = _run(resumed_pdvi, problem.blocks, schedule[saved_after:])
 
     assert resumed_pdvi.num_steps == pdvi.num_steps == len(schedule)
     assert resumed_pdvi.step_sizes == pdvi.step_sizes
+    assert resumed_pdvi.curvatures == pdvi.curvatures
+    assert resumed_pdvi.state_dict()["remeasured"] == pdvi.state_dict()["remeasured"] == remeasures
     assert torch.allclose(resumed, uninterrupted, rtol=0, atol=1e-10)
     for name, value in pyro.get_param_store().items():
         assert torch.allclose(value.detach(), uninterrupted_store[name], rtol=0, atol=1e-10), name
