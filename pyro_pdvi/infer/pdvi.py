@@ -32,6 +32,7 @@ from pyro.optim import PyroOptim
 from pyro.poutine.runtime import NonlocalExit
 
 from ..checks import check_positive_int
+from ..errors import NonFiniteStepError
 from .antithetic import antithetic_loss, check_antithetic_loss, has_particle_pairs
 from .blocks import BlockPartition
 from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate
@@ -69,10 +70,6 @@ def _check_epochs(epochs: Sequence[float], name: str) -> tuple[float, ...]:
                 f"Invalid {name}: {epochs!r}; every entry must be a positive finite number of epochs"
             )
     return tuple(sorted(float(value) for value in epochs))
-
-
-class NonFiniteStepError(RuntimeError):
-    """A step produced a non-finite loss or update; nothing was changed."""
 
 
 class StepSolution(NamedTuple):

@@ -63,6 +63,7 @@ from pyro.poutine.runtime import Message
 from torch.distributions import constraints, transform_to
 from torch.overrides import TorchFunctionMode
 
+from ..errors import VectorizationError
 from .handlers import BlockSubsample, FixedNoise, ParamOverride
 from .lbfgs import batched_lbfgs
 from .primal import INNER_SOLVERS, BlockBatch, BlockBatchSolution, minimize
@@ -70,10 +71,6 @@ from .sites import DataPlate, GlobalLayout, LocalSite
 
 #: ``randomness=`` values of :func:`torch.func.vmap` that PDVI accepts.
 RANDOMNESS = ("different", "same")
-
-
-class VectorizationError(RuntimeError):
-    """``torch.func.vmap`` could not map the model, guide and loss over stacked blocks."""
 
 
 def _is_vmapped(value: Any) -> bool:
