@@ -15,9 +15,7 @@ Usage, one process per rank (e.g. ``torchrun --nproc_per_node=2 script.py``)::
     torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
     pyro.set_rng_seed(0)                    # PDVI's noise generator is broadcast from rank 0
     pdvi = DistributedPDVI(model, guide, optim, loss, blocks=blocks)
-    for epoch in range(num_epochs):
-        for b in schedule(epoch, pdvi.owned_blocks):   # same number of steps on every rank
-            pdvi.step(blocks[b])
+    pdvi.run(num_epochs, data)                # one step per owned block, every rank in step
     torch.save(pdvi.state_dict(), f"pdvi_rank{rank}.pt")   # with the param store
 
 Failures: a rank whose step raises tells the others through the step's first
@@ -35,7 +33,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import pyro
 import torch
 import torch.distributed as dist
 from pyro.optim import PyroOptim
@@ -91,10 +88,10 @@ class DistributedPDVI(PDVI):
                 "process first (torchrun sets the environment it reads)"
             )
         super().__init__(model, guide, optim, loss, blocks=blocks, **kwargs)
-        if self.remeasure_epochs:
+        if self.auto_step_size.remeasure_epochs:
             raise ValueError(
-                "DistributedPDVI does not support remeasure_epochs (every rank would have to measure "
-                "the same blocks); pass remeasure_epochs=() or leave it out"
+                "DistributedPDVI does not support AutoStepSize(remeasure_epochs=...) (every rank "
+                "would have to measure the same blocks); leave remeasure_epochs out"
             )
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
@@ -151,42 +148,31 @@ class DistributedPDVI(PDVI):
                     )
                 seen[b] = rank
 
-    # ------------------------------------------------------------------ step
+    # ------------------------------------------------------------------ hooks
 
     def _seed_generator(self) -> None:
-        if self._rng is None:
-            seed = self._broadcast(torch.randint(0, 2**62, (1,)))
-            self._rng = torch.Generator().manual_seed(int(seed))
+        seed = self._broadcast(torch.randint(0, 2**62, (1,)))
+        self._rng = torch.Generator().manual_seed(int(seed))
 
-    def _synchronise_setup(self) -> None:
+    def _after_setup(self) -> None:
         """Every rank starts from rank 0's ``lambda_0`` and step sizes."""
         state = self._state
         consensus = self._broadcast(state.consensus)
-        step_sizes = self._broadcast(self._group_step_sizes.to(state.consensus))
+        self._step_sizes.etas = self._broadcast(self._step_sizes.etas)
         state.consensus = consensus
         state.copies[:] = consensus
         state.copy_mean = consensus.clone()
-        self._set_group_step_sizes(step_sizes)
-        params = dict(pyro.get_param_store().named_parameters())
-        with torch.no_grad():
-            for name, value in self.layout.unflatten(state.consensus).items():
-                params[name].copy_(value)
+        state.set_step_sizes(self._step_sizes.per_coordinate(consensus))
+        self._params.write_consensus(state.consensus)
 
-    def step(self, *args: Any, **kwargs: Any) -> float:
-        """One step: this rank solves its block(s), every rank applies the same update.
+    def _epoch_blocks(self) -> list[int]:
+        return list(self.owned_blocks)
 
-        :returns: the loss of all ranks' blocks at their new solutions, scaled to the
-            full data (the same float on every rank).
-        :rtype: float
-        :raises DistributedStepError: if this or another rank failed in this step; then
-            no rank changed anything.
+    def _solve_everywhere(self, block_ids: torch.Tensor, args: tuple, kwargs: dict):
+        """This rank solves its block(s); one all-reduce tells every rank whether all could.
+
+        :raises DistributedStepError: if this or another rank failed; then no rank changes anything.
         """
-        if self._state is None:
-            self._seed_generator()
-            self._setup(self._trace(args, kwargs), args, kwargs)
-            if self.num_steps == 0:
-                self._synchronise_setup()
-        block_ids = self.partition.blocks_in(self._step_subsample(args, kwargs))
         foreign = sorted(set(block_ids.tolist()) - set(self.owned_blocks))
         seeds = self._block_seeds(block_ids)
         error: BaseException | None = None
@@ -194,7 +180,7 @@ class DistributedPDVI(PDVI):
             error = ValueError(f"rank {self.rank} stepped on blocks {foreign}, which it does not own")
         else:
             try:
-                solved = self._solve_step(block_ids, seeds, args, kwargs)
+                solved = self._solve(block_ids, seeds, args, kwargs)
             except Exception as caught:
                 error = caught
         failed = self._all_reduce(torch.tensor([float(error is not None)], dtype=self._state.consensus.dtype))
@@ -208,7 +194,21 @@ class DistributedPDVI(PDVI):
                 f"rank {self.rank}: step {self.num_steps + 1} failed on another rank (its error says why); "
                 "no rank applied the step"
             )
-        return self._commit(solved)
+        return solved
+
+    def run(self, num_epochs: int, *args: Any, **kwargs: Any):
+        """:meth:`PDVI.run` over this rank's blocks; every rank must own as many blocks (each
+        rank makes the same number of steps), and every rank must call it.
+
+        :rtype: ~pyro_pdvi.infer.pdvi.RunResult
+        """
+        counts = self._all_gather_objects(len(self.owned_blocks))
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"DistributedPDVI.run needs every rank to own as many blocks, got {counts} blocks per "
+                "rank; pass owned_blocks= with equal counts, or step yourself"
+            )
+        return super().run(num_epochs, *args, **kwargs)
 
     def global_gradient_norm(self, *args: Any, **kwargs: Any) -> float:
         """``||grad_lambda f(phi, lambda_0)||``: each rank sums over its owned blocks
@@ -218,5 +218,4 @@ class DistributedPDVI(PDVI):
         """
         if self._state is None:
             raise RuntimeError("call step() at least once before global_gradient_norm()")
-        total = sum(self._block_gradient(b, self._state.consensus, args, kwargs) for b in self.owned_blocks)
-        return float(self._all_reduce(total).norm())
+        return float(self._all_reduce(self._gradient_sum(self.owned_blocks, args, kwargs)).norm())

@@ -43,21 +43,30 @@ class BlockSubsample(Messenger):
 
 
 class ParamOverride(Messenger):
-    """Serve ``pyro.param(name)`` from given unconstrained tensors.
+    """Serve ``pyro.param(name)`` from given unconstrained tensors: a block's copy of the
+    global params, and the block's own rows of the local params.
 
-    :param unconstrained: site name -> unconstrained value (full shape, may be a
-        non-leaf tensor that depends on the solver's leaves).
+    A local param's value is the block's rows already: the data plate must not slice it
+    again (it slices a param's rows in its postprocess only when ``event_dim`` is set),
+    so its ``event_dim`` is dropped. A global param's value carries its unconstrained
+    tensor for the plate, as the param store's values do.
+
+    :param unconstrained: site name -> unconstrained value (may be a non-leaf tensor that
+        depends on the solver's variables).
     :param site_constraints: site name -> constraint of that param.
+    :param block_rows: the names in ``unconstrained`` that are a local param's block rows.
     """
 
     def __init__(
         self,
         unconstrained: dict[str, torch.Tensor],
         site_constraints: dict[str, constraints.Constraint],
+        block_rows: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
         self.unconstrained = unconstrained
         self.site_constraints = site_constraints
+        self.block_rows = block_rows
 
     def _pyro_param(self, msg: Message) -> None:
         name = msg["name"]
@@ -65,8 +74,11 @@ class ParamOverride(Messenger):
             return
         free = self.unconstrained[name]
         value = transform_to(self.site_constraints[name])(free)
-        # SubsampleMessenger reads this to slice params with event_dim set.
-        value._pyro_unconstrained_param = free
+        if name in self.block_rows:
+            msg["kwargs"] = {**msg["kwargs"], "event_dim": None}
+        else:
+            # SubsampleMessenger reads this to slice params with event_dim set.
+            value._pyro_unconstrained_param = free
         msg["value"] = value
         msg["done"] = True
 

@@ -1,35 +1,57 @@
-"""The block objective ``f_b``: a block's share of the negative ELBO.
+"""The block objective ``f_b``: a block's share of the negative ELBO, through the Pyro model.
 
-``f_b(phi_b, lambda) = sum_{i in b} (local terms of datum i) + |b|/N * (global
-terms)`` [1, App. A.1], so that ``sum_b f_b`` is the full negative ELBO. A
-Pyro ELBO on block ``b``'s subsample already scales the local terms by
-``N/|b|``; multiplying it by ``|b|/N`` gives ``f_b``.
+``f_b(phi_b, lambda) = sum_{i in b} (local terms of datum i) + |b|/N * (global terms)``
+[1, App. A.1], so that ``sum_b f_b`` is the full negative ELBO. A Pyro ELBO on block
+``b``'s subsample already scales the local terms by ``N/|b|``; multiplying it by ``|b|/N``
+gives ``f_b``.
 
-[1] Lyu, Yu, Ma, Shi (2026), arXiv:2602.07632.
+:class:`BlockObjective` evaluates ``f_b`` of ``m`` equal-size blocks at given copies
+``lambda_b`` and rows ``phi_b`` (stacked along a leading block axis), without touching the
+param store, by one of two kernels that compute the same thing:
+
+* the loop: one Pyro loss per block, each block with its own Monte Carlo noise;
+* the vectorized kernel: one Pyro loss mapped over the blocks by :func:`torch.func.vmap`
+  (inside :func:`~pyro_pdvi.infer._vmap.vmap_compatible_pyro`), each block drawing its own
+  noise from the first block's seed. It saves Python overhead where a block's objective is
+  cheap (small blocks) and needs a model that ``vmap`` can map (no Python branching on
+  sampled values, no ``.item()``); measured in ``docs/benchmarks.md``, section 6.
+
+[1] Lyu, Yu, Ma, Shi (2026), "Scalable Mean-Field Variational Inference via
+    Preconditioned Primal-Dual Optimization", arXiv:2602.07632.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from .handlers import BlockSubsample, ParamOverride
+from ..errors import VectorizationError
+from ._vmap import vmap_compatible_pyro
+from .handlers import BlockSubsample, FixedNoise, ParamOverride
 from .sites import DataPlate, GlobalLayout, LocalSite
 
 LossFn = Callable[..., torch.Tensor]
+Values = dict[str, torch.Tensor]
+
+#: ``randomness=`` values of :func:`torch.func.vmap` that the vectorized kernel accepts.
+RANDOMNESS = ("different", "same")
 
 
 class BlockObjective:
-    """Evaluate ``f_b`` at given global and local values, without the param store.
+    """``f_b`` of a model, guide and loss on stacked blocks (see the module docstring).
 
     :param model: the Pyro model.
     :param guide: the Pyro guide.
-    :param loss_fn: ``loss_fn(model, guide, *args, **kwargs)`` returning a
-        differentiable scalar (an ELBO's ``differentiable_loss``).
+    :param loss_fn: ``loss_fn(model, guide, *args, **kwargs)`` returning a differentiable
+        scalar (an ELBO's ``differentiable_loss``).
     :param plate: the data plate.
     :param layout: layout of the global params.
     :param local_sites: the local param sites.
+    :param randomness: ``randomness=`` of :func:`torch.func.vmap` in the vectorized kernel:
+        ``"different"`` (each block its own draw) or ``"same"`` (all blocks share one draw,
+        which tests use to hold the two kernels equal).
     """
 
     def __init__(
@@ -40,47 +62,154 @@ class BlockObjective:
         plate: DataPlate,
         layout: GlobalLayout,
         local_sites: list[LocalSite],
+        randomness: str = "different",
     ) -> None:
+        if randomness not in RANDOMNESS:
+            raise ValueError(f"Invalid randomness: {randomness!r}; use one of {RANDOMNESS}")
+        self.randomness = randomness
         self.model = model
         self.guide = guide
         self.loss_fn = loss_fn
         self.plate = plate
-        self.layout = layout
-        self.local_sites = local_sites
         self.site_constraints = {s.name: s.constraint for s in layout.sites}
         self.site_constraints.update({s.name: s.constraint for s in local_sites})
+        self.row_names = frozenset(s.name for s in local_sites)
 
-    def __call__(
-        self,
-        indices: torch.Tensor,
-        global_values: dict[str, torch.Tensor],
-        local_rows: dict[str, torch.Tensor],
-        local_full: dict[str, torch.Tensor],
-        args: tuple,
-        kwargs: dict,
+    def bind(self, indices: torch.Tensor, seeds: Sequence[int], args: tuple, kwargs: dict) -> BlockLosses:
+        """The objective of the blocks with data ``indices`` (``(m, s)``) at the noise of
+        ``seeds`` (one per block), as a function of copies and rows only."""
+        return BlockLosses(self, indices, list(seeds), args, kwargs)
+
+    def one_block(
+        self, copies: Values, rows: Values, indices: torch.Tensor, args: tuple, kwargs: dict
     ) -> torch.Tensor:
-        """``f_b`` for the block with data ``indices``.
-
-        :param indices: the block's data indices.
-        :param global_values: unconstrained global values, one tensor per site.
-        :param local_rows: unconstrained rows of the block for each local site.
-        :param local_full: the current full unconstrained local tensors; the
-            block's rows are replaced by ``local_rows``.
-        :param args: positional arguments of model and guide.
-        :param kwargs: keyword arguments of model and guide.
-        """
-        values = dict(global_values)
-        for site in self.local_sites:
-            values[site.name] = (
-                local_full[site.name]
-                .detach()
-                .index_copy(site.axis, indices.to(local_full[site.name].device), local_rows[site.name])
-            )
+        """``f_b`` of one block: ``copies`` shaped like the global sites, ``rows`` like the
+        block's rows of the local sites, ``indices`` of shape ``(s,)``."""
 
         def run_blocked(fn: Callable) -> Callable:
             # One handler instance per function: a messenger may not be entered twice.
-            fn = ParamOverride(values, self.site_constraints)(fn)
+            fn = ParamOverride({**copies, **rows}, self.site_constraints, self.row_names)(fn)
             return BlockSubsample(self.plate.name, indices)(fn)
 
         loss = self.loss_fn(run_blocked(self.model), run_blocked(self.guide), *args, **kwargs)
-        return loss * (len(indices) / self.plate.size)
+        return loss * (indices.shape[-1] / self.plate.size)
+
+    def looped(
+        self,
+        copies: Values,
+        rows: Values,
+        indices: torch.Tensor,
+        seeds: Sequence[int],
+        args: tuple,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        """The loop kernel: ``f_b`` block by block, each at the noise of its own seed."""
+        device = indices.device
+        losses = []
+        for i, seed in enumerate(seeds):
+            with FixedNoise(seed, device)():
+                block_copies = {k: v[i] for k, v in copies.items()}
+                block_rows = {k: v[i] for k, v in rows.items()}
+                losses.append(self.one_block(block_copies, block_rows, indices[i], args, kwargs))
+        return torch.stack(losses)
+
+    def vectorized(
+        self,
+        copies: Values,
+        rows: Values,
+        indices: torch.Tensor,
+        seeds: Sequence[int],
+        args: tuple,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        """The vectorized kernel: ``f_b`` of all blocks in one ``vmap``-ped Pyro loss, every
+        block drawing its own noise from ``seeds[0]``; differentiable in copies and rows.
+
+        :raises VectorizationError: when ``vmap`` cannot map the model, guide or loss.
+        """
+        with FixedNoise(seeds[0], indices.device)():
+            return _MappedLossAndGradient.apply(
+                self, indices, list(copies), list(rows), args, kwargs, *copies.values(), *rows.values()
+            )
+
+    def losses_and_gradients(
+        self, indices: torch.Tensor, copies: Values, rows: Values, args: tuple, kwargs: dict
+    ) -> tuple[torch.Tensor, Values, Values]:
+        """The blocks' ``f_b`` and their gradients in copies and rows (each block's own), by
+        ``vmap(grad_and_value(f_b))``: inside ``vmap`` a tensor does not report
+        ``requires_grad``, which ``TraceEnum_ELBO`` checks of its loss; inside
+        ``grad_and_value`` it does."""
+        mapped = torch.func.vmap(
+            torch.func.grad_and_value(lambda c, r, i: self.one_block(c, r, i, args, kwargs), argnums=(0, 1)),
+            randomness=self.randomness,
+        )
+        try:
+            with vmap_compatible_pyro(), torch.enable_grad():
+                (copy_grads, row_grads), losses = mapped(copies, rows, indices)
+        except (RuntimeError, NotImplementedError) as error:
+            raise VectorizationError(
+                "torch.func.vmap could not evaluate the model, guide and loss over "
+                f"{indices.shape[0]} stacked blocks ({type(error).__name__}: {error}). Vectorized "
+                "blocks need a model and guide without data-dependent Python control flow, "
+                "`.item()` or in-place writes into captured tensors; use "
+                "GenericSolver(vectorize=False) for this model."
+            ) from error
+        return losses, copy_grads, row_grads
+
+
+class _MappedLossAndGradient(torch.autograd.Function):
+    """The vectorized block losses as a differentiable function of the stacked copies and
+    rows, with the per-block gradients of :meth:`BlockObjective.losses_and_gradients`
+    (first order: enough for L-BFGS and torch optimizers)."""
+
+    @staticmethod
+    def forward(ctx: Any, objective, indices, copy_names, row_names, args, kwargs, *tensors):
+        copies = dict(zip(copy_names, (t.detach() for t in tensors)))
+        rows = dict(zip(row_names, (t.detach() for t in tensors[len(copy_names) :])))
+        losses, copy_grads, row_grads = objective.losses_and_gradients(indices, copies, rows, args, kwargs)
+        ctx.save_for_backward(*copy_grads.values(), *row_grads.values())
+        return losses
+
+    @staticmethod
+    def backward(ctx: Any, grad_losses: torch.Tensor):
+        grads = tuple(
+            grad_losses.reshape(grad_losses.shape + (1,) * (g.dim() - 1)) * g for g in ctx.saved_tensors
+        )
+        return (None,) * 6 + grads
+
+
+class BlockLosses:
+    """The ``f_b`` of a step's blocks as a function of their copies and rows, at the step's
+    fixed Monte Carlo noise (:meth:`BlockObjective.bind`).
+
+    :param objective: the block objective.
+    :param indices: the blocks' data indices, ``(m, s)``.
+    :param seeds: one noise seed per block.
+    :param args: the positional arguments of the step.
+    :param kwargs: the keyword arguments of the step.
+    """
+
+    def __init__(
+        self, objective: BlockObjective, indices: torch.Tensor, seeds: list[int], args: tuple, kwargs: dict
+    ) -> None:
+        self.objective = objective
+        self.indices = indices
+        self.seeds = seeds
+        self.args = args
+        self.kwargs = kwargs
+
+    def __call__(self, copies: Values, rows: Values, vectorize: bool = False) -> torch.Tensor:
+        """``f_b`` of every block, shape ``(m,)``, differentiable in ``copies`` and ``rows``
+        (shaped ``(m, ...)``). ``TraceEnum_ELBO`` refuses to evaluate a loss that nothing
+        requires the gradient of: pass copies that require grad.
+
+        :param vectorize: use the vectorized kernel instead of the loop.
+        """
+        kernel = self.objective.vectorized if vectorize else self.objective.looped
+        return kernel(copies, rows, self.indices, self.seeds, self.args, self.kwargs)
+
+    def select(self, i: int) -> BlockLosses:
+        """The ``i``-th block's objective alone."""
+        return BlockLosses(
+            self.objective, self.indices[i : i + 1], self.seeds[i : i + 1], self.args, self.kwargs
+        )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pyro.distributions as dist
 import torch
 from pyro.poutine.trace_struct import Trace
 from torch.distributions import constraints
@@ -190,3 +191,16 @@ def split_param_sites(
         for name in sorted(seen - set(local))
     ]
     return global_sites, [local[name] for name in sorted(local)]
+
+
+def monte_carlo_sites(guide_trace: Trace) -> list[str]:
+    """Guide sample sites that a loss estimates by Monte Carlo (not Delta, not enumerated):
+    where the block objective depends on the noise of a solve."""
+    return [
+        name
+        for name, site in guide_trace.nodes.items()
+        if site["type"] == "sample"
+        and not is_subsample_site(site)
+        and not isinstance(site["fn"], dist.Delta)
+        and site["infer"].get("enumerate") is None
+    ]

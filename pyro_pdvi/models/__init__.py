@@ -1,4 +1,6 @@
-"""Models with exact objectives and closed-form local solvers for PD-VI."""
+"""Models with exact objectives and closed-form block solvers for PD-VI: the Bayesian Gaussian
+mixture (:mod:`.gmm`), the mixture with a Potts prior on a spatial graph (:mod:`.potts`) and
+the strongly convex quadratic of the paper's App. C.3 (:mod:`.quadratic`)."""
 
 from .gmm import (
     BiasedGMMData,
@@ -6,32 +8,34 @@ from .gmm import (
     GMMBlockSolver,
     GMMModel,
     GMMPrior,
-    adjusted_rand_index,
     block_negative_elbo,
     cavi,
+    expected_log_likelihood,
+    fitted_w2,
     kmeans,
     make_biased_gmm,
     negative_elbo,
+    optimal_logits,
     predictive_components,
     prior_from_data,
-    wasserstein_gmm,
 )
-from .gmm_svi import GMMNaturalGradientSVI
+from .quadratic import Quadratic
 
 __all__ = [
     "BiasedGMMData",
     "CAVIResult",
     "GMMBlockSolver",
     "GMMModel",
-    "GMMNaturalGradientSVI",
     "GMMPrior",
-    "adjusted_rand_index",
+    "Quadratic",
     "block_negative_elbo",
     "cavi",
+    "expected_log_likelihood",
+    "fitted_w2",
     "kmeans",
     "make_biased_gmm",
     "negative_elbo",
+    "optimal_logits",
     "predictive_components",
     "prior_from_data",
-    "wasserstein_gmm",
 ]

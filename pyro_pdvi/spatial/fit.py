@@ -5,7 +5,7 @@ the patches, initialises as the paper does (k-means labels; ``Sigma_0`` from the
 within-cluster variance, ``Sigma_1`` from the spread of the cluster means, ``xi`` the data
 mean: :func:`~pyro_pdvi.models.gmm.prior_from_data`), and runs
 
-* ``"p2dvi"``: :class:`~pyro_pdvi.PDVI` with :class:`~pyro_pdvi.spatial.potts.PottsBlockSolver`,
+* ``"p2dvi"``: :class:`~pyro_pdvi.PDVI` with :class:`~pyro_pdvi.models.potts.PottsBlockSolver`,
   one step size per global site (``m`` and ``rho``) from their curvatures (below);
 * ``"pdvi"``: the same with one step size for both, the smaller (that of ``m``);
 * ``"svi"``: :class:`pyro.infer.SVI` with Adam on the same exact objective, one patch per step.
@@ -33,10 +33,11 @@ import pyro
 import torch
 from pyro.infer import SVI
 
-from .. import PDVI
-from ..models.gmm import GMMPrior, adjusted_rand_index, kmeans, prior_from_data
-from .graph import SpatialGraph, grid_patches, knn_graph
-from .potts import PottsBlockSolver, PottsGMMModel, negative_elbo
+from ..infer import PDVI
+from ..metrics import adjusted_rand_index
+from ..models.gmm import GMMPrior, kmeans, prior_from_data
+from ..models.potts import PottsBlockSolver, PottsGMMModel, SpatialGraph, potts_negative_elbo
+from .graph import grid_patches, knn_graph
 
 METHODS = ("p2dvi", "pdvi", "svi")
 
@@ -54,7 +55,7 @@ class SpatialFit:
     :param patches: the PD-VI blocks.
     :param step_sizes: ``eta`` per global site (PD-VI methods).
     :param history: per epoch (index 0: the start) ``epoch``, ``seconds`` (cumulative, fitting
-        only), ``objective`` (:func:`~pyro_pdvi.spatial.potts.negative_elbo`), ``grad_norm``
+        only), ``objective`` (:func:`~pyro_pdvi.models.potts.potts_negative_elbo`), ``grad_norm``
         (``||grad_lambda objective||`` at the consensus), ``ari`` when a truth was given, and
         ``temperature`` (epochs 1.., when annealing).
     """
@@ -150,7 +151,7 @@ def fit_potts_mixture(
     :param init_smoothing: initial ``phi = (1 - s) onehot(labels) + s / K``.
     :param anneal: ``(T0, E)``: optional temperature annealing of ``phi`` for the PD-VI
         methods, ``T = 1 + (T0 - 1) (1 - (e - 1) / E)`` in epoch ``e <= E``, then 1 (see
-        :class:`~pyro_pdvi.spatial.potts.PottsBlockSolver`); ``None``: none.
+        :class:`~pyro_pdvi.models.potts.PottsBlockSolver`); ``None``: none.
     :param truth: true labels, to record the ARI per epoch.
     :param record: compute the objective and gradient norm after every epoch.
     :param seed: seed of k-means and of the patch order.
@@ -208,8 +209,7 @@ def fit_potts_mixture(
             blocks=patches,
             eta=steps["m"],
             groups=[{"sites": ["rho"], "eta": steps["rho"]}],
-            global_update="paper",
-            local_solver=solver,
+            solver=solver,
         )
 
     history: dict[str, list[float]] = {"epoch": [], "seconds": [], "objective": [], "grad_norm": []}
@@ -226,7 +226,7 @@ def fit_potts_mixture(
     def log(epoch: int, seconds: float) -> None:
         m_now, rho_now, alpha_now = current()
         params = [m_now.clone().requires_grad_(), rho_now.clone().requires_grad_()]
-        objective = negative_elbo(features, prior, graph, *params, alpha_now)
+        objective = potts_negative_elbo(features, prior, graph, *params, alpha_now)
         gradients = torch.autograd.grad(objective, params)
         row = {
             "epoch": epoch,
@@ -243,21 +243,39 @@ def fit_potts_mixture(
 
     if record:
         log(0, 0.0)
-    generator = torch.Generator().manual_seed(seed)
-    seconds = 0.0
-    for epoch in range(1, num_epochs + 1):
+
+    def set_temperature(epoch: int) -> None:
         if anneal is not None and method != "svi":
             solver.temperature = 1.0 + (anneal[0] - 1.0) * max(0.0, 1.0 - (epoch - 1) / int(anneal[1]))
             temperatures.append(solver.temperature)
-        start = time.perf_counter()
-        for b in torch.randperm(len(patches), generator=generator).tolist():
-            # SVI slices the local params by the subsample on their device; PDVI takes its blocks as given.
-            algorithm.step(patches[b].to(device) if method == "svi" else patches[b])
+
+    clock = {"start": time.perf_counter(), "seconds": 0.0}
+
+    def after_epoch(epoch: int, loss: float | None = None) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        seconds += time.perf_counter() - start
+        clock["seconds"] += time.perf_counter() - clock["start"]
         if record:
-            log(epoch, seconds)
+            log(epoch, clock["seconds"])
+        if epoch < num_epochs:
+            set_temperature(epoch + 1)
+        clock["start"] = time.perf_counter()
+
+    set_temperature(1)
+    clock["start"] = time.perf_counter()
+    if method == "svi":
+        generator = torch.Generator().manual_seed(seed)
+        for epoch in range(1, num_epochs + 1):
+            for b in torch.randperm(len(patches), generator=generator).tolist():
+                # SVI slices the local params by the subsample on their device.
+                algorithm.step(patches[b].to(device))
+            after_epoch(epoch)
+    else:
+        # PDVI's own generator (the patch order) is seeded from torch's: seed it from `seed`
+        # without touching the caller's random state.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            algorithm.run(num_epochs, progress_bar=False, callback=after_epoch)
 
     if temperatures:
         history["temperature"] = temperatures

@@ -28,7 +28,8 @@ import torch
 
 from ..checks import check_positive_int
 from ..models.gmm import GMMPrior
-from .graph import SpatialGraph, knn_graph
+from ..models.potts import SpatialGraph
+from .graph import knn_graph
 
 
 def critical_beta(num_states: int) -> float:

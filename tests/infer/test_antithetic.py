@@ -8,9 +8,9 @@ from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
 
-from pyro_pdvi import PDVI, AntitheticNoise
+from pyro_pdvi import PDVI, AntitheticNoise, GenericSolver
 
-from .test_pdvi_pyro import Hierarchical
+from ..toy_models import Hierarchical
 
 K = 6
 
@@ -149,7 +149,7 @@ def _mean_error(antithetic, num_epochs):
         pyro.optim.Adam({"lr": 0.05}),
         TraceMeanField_ELBO(num_particles=8, vectorize_particles=True),
         blocks=problem.blocks,
-        inner_steps=20,
+        solver=GenericSolver(inner_steps=20),
         global_update="paper",
         antithetic=antithetic,
     )
@@ -179,10 +179,9 @@ def test_vectorized_steps_with_antithetic_pairs_and_a_scalar_global_site():
         pyro.optim.Adam({"lr": 0.05}),
         TraceMeanField_ELBO(num_particles=8, vectorize_particles=True),
         blocks=problem.blocks,
-        inner_steps=20,
+        solver=GenericSolver(inner_steps=20, vectorize=True),
         global_update="paper",
         antithetic=True,
-        vectorize_blocks=True,
     )
     for _ in range(10):
         for pair in ([0, 1], [2, 3]):

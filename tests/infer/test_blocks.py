@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pyro_pdvi import BlockPartition
+from pyro_pdvi.infer.blocks import BlockPartition
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pyro_pdvi import ConsensusState
+from pyro_pdvi.infer.consensus import ConsensusState
 
 
 @pytest.mark.parametrize("rule", ["consensus", "paper"])

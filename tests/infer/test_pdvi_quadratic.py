@@ -6,14 +6,14 @@ import pyro
 import pytest
 import torch
 
-from pyro_pdvi import PDVI
+from pyro_pdvi import PDVI, GenericSolver
 from pyro_pdvi.models.quadratic import Quadratic
 
 FIXED_ETAS = [{"sites": ["a"], "eta": 0.1}, {"sites": ["b"], "eta": 0.002}]
 
 
 def make_pdvi(problem, **kwargs):
-    kwargs.setdefault("inner_steps", 30)
+    kwargs.setdefault("solver", GenericSolver(inner_steps=30))
     return PDVI(
         problem.model,
         problem.guide,
@@ -77,7 +77,9 @@ def test_preconditioned_groups_beat_one_step_size():
 def test_dual_identity_and_global_update_invariants(global_update):
     """mu_b = -grad_lambda f_b after an exact primal solve; lambda_0 = gamma + h, h = H mean(mu)."""
     problem = Quadratic(num_data=12, num_blocks=4)
-    pdvi = make_pdvi(problem, groups=FIXED_ETAS, global_update=global_update, inner_steps=60)
+    pdvi = make_pdvi(
+        problem, groups=FIXED_ETAS, global_update=global_update, solver=GenericSolver(inner_steps=60)
+    )
     for t in range(8):
         b = t % 4
         block = problem.blocks[b]
@@ -97,7 +99,9 @@ def test_dual_identity_and_global_update_invariants(global_update):
 def test_several_blocks_per_step_follow_the_algorithm(global_update):
     """A step over a union of m = 2 blocks equals Algorithm 1 with |S_t| = 2 and exact solves."""
     problem = Quadratic(num_data=12, num_blocks=4)
-    pdvi = make_pdvi(problem, groups=FIXED_ETAS, global_update=global_update, inner_steps=60)
+    pdvi = make_pdvi(
+        problem, groups=FIXED_ETAS, global_update=global_update, solver=GenericSolver(inner_steps=60)
+    )
     schedule = [(0, 2), (1, 3), (2, 3), (0, 1), (1, 2)]
 
     n = len(problem.blocks)
@@ -142,8 +146,8 @@ def test_diagnostics_and_full_gradient_norm_vanish_at_the_optimum():
     assert float(pdvi.diagnostics["consensus_residual"].max()) < 1e-8
 
 
-def test_optim_inner_solver_uses_the_pyro_optimizer_and_its_per_site_args():
-    """inner_solver="optim": the PyroOptim drives the primal solve, with per-site args."""
+def test_optim_method_uses_the_pyro_optimizer_and_its_per_site_args():
+    """GenericSolver(method="optim"): the PyroOptim drives the primal solve, with per-site args."""
     problem = Quadratic(num_data=12, num_blocks=4, scale_b=1.0)
     _, lam_opt = problem.optimum()
     seen = []
@@ -158,8 +162,7 @@ def test_optim_inner_solver_uses_the_pyro_optimizer_and_its_per_site_args():
         pyro.optim.Adam(per_site),
         problem.loss,
         blocks=problem.blocks,
-        inner_solver="optim",
-        inner_steps=100,
+        solver=GenericSolver(inner_steps=100, method="optim"),
     )
     errors = run_epochs(problem, pdvi, 8, lam_opt)
     assert set(seen) == {"a", "b", "phi"}

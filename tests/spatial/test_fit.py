@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pyro_pdvi.models.gmm import adjusted_rand_index
+from pyro_pdvi.metrics import adjusted_rand_index
 from pyro_pdvi.spatial.api import expression_features, fit_spatial_domains, plot_spatial_domains
 from pyro_pdvi.spatial.fit import fit_potts_mixture
 from pyro_pdvi.spatial.synthetic import make_potts_data

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from pyro_pdvi.spatial import SpatialGraph, grid_patches, knn_graph, scatter_available
+from pyro_pdvi.models.potts import SpatialGraph, scatter_available
+from pyro_pdvi.spatial import grid_patches, knn_graph
 
 
 def brute_force_edges(coords, k, mutual):

@@ -5,7 +5,8 @@ import pytest
 import scipy.sparse
 import torch
 
-from pyro_pdvi.spatial import SpatialGraph, knn_graph
+from pyro_pdvi.models.potts import SpatialGraph
+from pyro_pdvi.spatial import knn_graph
 from pyro_pdvi.spatial.synthetic import critical_beta, gibbs_sweeps, lattice_graph, make_potts_data
 
 

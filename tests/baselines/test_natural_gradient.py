@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from pyro_pdvi.models.gmm import _component_update, cavi, expected_log_likelihood, make_biased_gmm
-from pyro_pdvi.models.gmm_svi import GMMNaturalGradientSVI
+from pyro_pdvi.baselines import GMMNaturalGradientSVI
+from pyro_pdvi.models.gmm import cavi, conjugate_update, expected_log_likelihood, make_biased_gmm
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def test_block_step_replicates_the_block():
 
     replicas = data.shape[0] // block.numel()
     phi = torch.softmax(expected_log_likelihood(data[block], prior, m, rho), -1)
-    m_hat, rho_hat = _component_update(data[block].repeat(replicas, 1), prior, phi.repeat(replicas, 1))
+    m_hat, rho_hat = conjugate_update(data[block].repeat(replicas, 1), prior, phi.repeat(replicas, 1))
     precision = (1 - step) * (-rho).exp() + step * (-rho_hat).exp()
     shift = (1 - step) * (-rho).exp() * (m - prior.xi) + step * (-rho_hat).exp() * (m_hat - prior.xi)
     torch.testing.assert_close(svi.rho, -precision.log(), rtol=1e-12, atol=1e-12)

@@ -1,29 +1,29 @@
-"""Several blocks per step through a local solver's ``solve_batch``: the engine's
-stacking and unstacking must give exactly what the loop over blocks gives."""
+"""Several blocks per step: the engine's stacking of a step's blocks into one problem, and
+its unstacking, must give exactly what one block per problem gives."""
 
 import pyro
 import pytest
 import torch
 from pyro.infer import TraceEnum_ELBO
 
-from pyro_pdvi import PDVI, BlockBatch, BlockBatchSolution
+from pyro_pdvi import PDVI, BlockProblem, BlockSolution
 from pyro_pdvi.models.gmm import GMMBlockSolver, GMMModel, make_biased_gmm
 
 
-class LoopingBatchSolver(GMMBlockSolver):
-    """``solve_batch`` by a loop over :meth:`BlockBatch.problem`, stacked; it records its calls."""
+class BlockByBlockSolver(GMMBlockSolver):
+    """Solves a problem block by block (:meth:`BlockProblem.block`), stacked; records its calls."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.batch_sizes = []
 
-    def solve_batch(self, batch: BlockBatch) -> BlockBatchSolution:
-        self.batch_sizes.append(len(batch))
-        solutions = [self(batch.problem(i)) for i in range(len(batch))]
-        return BlockBatchSolution(
-            globals={k: torch.stack([s.globals[k] for s in solutions]) for k in solutions[0].globals},
-            local={k: torch.stack([s.local[k] for s in solutions]) for k in solutions[0].local},
-            loss=torch.stack([s.loss for s in solutions]),
+    def solve(self, problem: BlockProblem) -> BlockSolution:
+        self.batch_sizes.append(len(problem))
+        solutions = [super(BlockByBlockSolver, self).solve(problem.block(i)) for i in range(len(problem))]
+        return BlockSolution(
+            globals={k: torch.cat([s.globals[k] for s in solutions]) for k in solutions[0].globals},
+            local={k: torch.cat([s.local[k] for s in solutions]) for k in solutions[0].local},
+            loss=torch.cat([s.loss for s in solutions]),
         )
 
 
@@ -39,7 +39,7 @@ def run(solver_cls, data, schedule):
         blocks=data.blocks,
         eta=1e-2,
         groups=[{"sites": ["rho"], "eta": 1e-1}],
-        local_solver=solver,
+        solver=solver,
         global_update="paper",
     )
     losses = [pdvi.step(torch.cat([data.blocks[b] for b in step])) for step in schedule]
@@ -50,19 +50,19 @@ def run(solver_cls, data, schedule):
 def test_batched_step_equals_loop_over_blocks():
     data = make_biased_gmm(120, 3, 2, 20, 0.9, seed=3, separation=3.0)
     schedule = [[0, 3], [1, 2, 5], [4, 0], [3, 1]]
-    batched, batched_losses, batched_params, batched_pdvi = run(LoopingBatchSolver, data, schedule)
-    _, loop_losses, loop_params, loop_pdvi = run(GMMBlockSolver, data, schedule)
-    assert batched.batch_sizes == [2, 3, 2, 2]
+    looped, loop_losses, loop_params, loop_pdvi = run(BlockByBlockSolver, data, schedule)
+    _, batched_losses, batched_params, batched_pdvi = run(GMMBlockSolver, data, schedule)
+    assert looped.batch_sizes == [2, 3, 2, 2]
     assert batched_losses == pytest.approx(loop_losses, rel=1e-12, abs=0)
     for name in batched_params:
         torch.testing.assert_close(batched_params[name], loop_params[name], rtol=0, atol=1e-12)
     torch.testing.assert_close(batched_pdvi.state.duals, loop_pdvi.state.duals, rtol=0, atol=1e-12)
 
 
-def test_unequal_blocks_fall_back_to_the_loop():
+def test_unequal_blocks_are_separate_problems():
     data = make_biased_gmm(60, 3, 2, 20, 0.9, seed=3, separation=3.0)
     blocks = [data.blocks[0], torch.cat([data.blocks[1], data.blocks[2][:5]]), data.blocks[2][5:]]
     data = data._replace(blocks=blocks)
-    solver, _, params, _ = run(LoopingBatchSolver, data, [[0, 1], [1, 2]])
-    assert solver.batch_sizes == []
+    solver, _, params, _ = run(BlockByBlockSolver, data, [[0, 1], [1, 2]])
+    assert solver.batch_sizes == [1, 1, 1, 1]
     assert torch.isfinite(params["alpha"]).all()

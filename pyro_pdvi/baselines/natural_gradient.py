@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from .gmm import GMMPrior, block_negative_elbo, expected_log_likelihood
+from ..models.gmm import GMMPrior, block_negative_elbo, optimal_logits
 
 
 class GMMNaturalGradientSVI:
@@ -128,7 +128,7 @@ class GMMNaturalGradientSVI:
     def local_step(self, indices: torch.Tensor) -> torch.Tensor:
         """Exact ``log phi`` of the data ``indices`` given the current ``q(c)``, ``(|b|, K)``."""
         data = self.data[indices]
-        return torch.log_softmax(expected_log_likelihood(data, self.prior, self.m, self.rho), -1)
+        return optimal_logits(data, self.prior, self.m, self.rho)
 
     @torch.no_grad()
     def step(self, indices: torch.Tensor) -> float:
@@ -155,7 +155,7 @@ class GMMNaturalGradientSVI:
         prior = self.prior
         data = self.data[indices]
         m, rho = self.m, self.rho
-        log_phi = torch.log_softmax(expected_log_likelihood(data, prior, m, rho), -1)
+        log_phi = optimal_logits(data, prior, m, rho)
         scale = num_data / data.shape[0]
         loss = scale * float(block_negative_elbo(data, prior, m, rho, log_phi, num_data))
 

@@ -1,14 +1,60 @@
-"""``eta="auto"`` re-measuring its curvature during the run (``remeasure_epochs``),
-against exact values."""
+"""Preconditioner groups and their step sizes: fixed, measured at set-up (``eta="auto"``) and
+re-measured during the run (``AutoStepSize.remeasure_epochs``), against exact values."""
 
 import pyro
 import pytest
 import torch
-from pyro.infer import TraceMeanField_ELBO
+from torch.distributions import constraints
 
-from pyro_pdvi import PDVI
+from pyro_pdvi import PDVI, AutoStepSize, GenericSolver
+from pyro_pdvi.infer.sites import GlobalLayout, GlobalSite
+from pyro_pdvi.infer.step_sizes import coordinate_groups, estimate_curvatures, resolve_groups
 from pyro_pdvi.models.quadratic import Quadratic
-from tests.infer.test_pdvi_pyro import Hierarchical
+
+NAMES = ["AutoNormal.locs.w", "AutoNormal.scales.w", "bias"]
+
+
+def test_groups_by_names_regex_and_callable_rest_in_default():
+    groups = resolve_groups(
+        [
+            {"sites": r"AutoNormal\.locs\..*", "name": "locs"},
+            {"sites": lambda name: name.endswith("scales.w"), "eta": 1e-3},
+        ],
+        NAMES,
+        "auto",
+    )
+    assert [(g.name, g.sites, g.eta) for g in groups] == [
+        ("locs", ["AutoNormal.locs.w"], "auto"),
+        ("group1", ["AutoNormal.scales.w"], 1e-3),
+        ("default", ["bias"], "auto"),
+    ]
+    assert [g.sites for g in resolve_groups("per_site", NAMES, 0.1)] == [[n] for n in NAMES]
+    assert [g.sites for g in resolve_groups(None, NAMES, 0.1)] == [NAMES]
+
+
+@pytest.mark.parametrize("eta", [0.0, float("inf"), True, "1e-3"])
+def test_invalid_step_sizes(eta):
+    with pytest.raises(ValueError, match="Invalid step size"):
+        resolve_groups([{"sites": ["bias"], "eta": eta}], NAMES, 0.1)
+
+
+def test_power_iteration_finds_each_groups_largest_curvature():
+    sites = [
+        GlobalSite("a", torch.Size([3]), constraints.real),
+        GlobalSite("b", torch.Size([2]), constraints.real),
+    ]
+    layout = GlobalLayout(sites)
+    groups = resolve_groups("per_site", layout.names, "auto")
+    group_of = coordinate_groups(groups, layout)
+    root = torch.randn(5, 5, generator=torch.Generator().manual_seed(0))
+    hessian = root @ root.T + torch.diag(torch.tensor([1.0, 2.0, 3.0, 100.0, 300.0]))
+
+    def gradient(point):
+        return hessian @ point + 1.0
+
+    curvatures = estimate_curvatures(gradient, torch.randn(5), group_of, 2, num_iterations=50)
+    expected = [torch.linalg.eigvalsh(hessian[:3, :3]).max(), torch.linalg.eigvalsh(hessian[3:, 3:]).max()]
+    assert torch.allclose(curvatures, torch.stack(expected), rtol=1e-6)
 
 
 def _quadratic_pdvi(problem, **kwargs):
@@ -18,7 +64,7 @@ def _quadratic_pdvi(problem, **kwargs):
         pyro.optim.Adam({"lr": 0.1}),
         problem.loss,
         blocks=problem.blocks,
-        inner_steps=30,
+        solver=GenericSolver(inner_steps=30),
         **kwargs,
     )
 
@@ -42,7 +88,9 @@ def test_auto_eta_is_exact_on_the_quadratic_at_set_up_and_after_a_remeasure():
     problem = Quadratic(num_data=12, num_blocks=4, dim_a=1, dim_b=1, scale_b=3.0)
     exact = _exact_reduced_curvatures(problem).amax(0)
     pdvi = _quadratic_pdvi(
-        problem, groups="per_site", curvature_blocks=4, curvature_iterations=1, remeasure_epochs=(1,)
+        problem,
+        groups="per_site",
+        eta=AutoStepSize(curvature_blocks=4, curvature_iterations=1, remeasure_epochs=(1,)),
     )
     for step, b in enumerate([0, 1, 2, 3]):
         pdvi.step(problem.blocks[b])
@@ -50,20 +98,20 @@ def test_auto_eta_is_exact_on_the_quadratic_at_set_up_and_after_a_remeasure():
         curvatures = torch.tensor(list(pdvi.curvatures.values()))
         assert torch.allclose(curvatures, exact, rtol=1e-6), step
         etas = torch.tensor(list(pdvi.step_sizes.values()))
-        assert torch.allclose(etas, pdvi.eta_scale / curvatures, rtol=1e-12)
+        assert torch.allclose(etas, pdvi.auto_step_size.scale / curvatures, rtol=1e-12)
         assert pdvi.diagnostics["curvatures"] == pdvi.curvatures
 
 
 def _record_measurements(pdvi):
     measured = []
-    original = pdvi._estimate_curvatures
+    original = pdvi._measure_curvatures
 
     def recording(args, kwargs):
         value = original(args, kwargs)
         measured.append((pdvi.num_steps, value.clone()))
         return value
 
-    pdvi._estimate_curvatures = recording
+    pdvi._measure_curvatures = recording
     return measured
 
 
@@ -73,9 +121,9 @@ def test_remeasure_keeps_the_largest_curvature_and_leaves_fixed_steps_alone():
     pdvi = _quadratic_pdvi(
         problem,
         groups=[{"sites": ["a"], "name": "a"}, {"sites": ["b"], "eta": fixed_b, "name": "b"}],
-        curvature_blocks=1,
-        curvature_iterations=2,
-        remeasure_epochs=(2, 0.5, 1),  # sorted: after 3, 6 and 12 block visits
+        eta=AutoStepSize(
+            curvature_blocks=1, curvature_iterations=2, remeasure_epochs=(2, 0.5, 1)
+        ),  # sorted: after 3, 6 and 12 block visits
     )
     measured = _record_measurements(pdvi)
     blocks = [0, 1, 2, 3, 4, 5] * 2
@@ -85,7 +133,7 @@ def test_remeasure_keeps_the_largest_curvature_and_leaves_fixed_steps_alone():
     assert [when for when, _ in measured] == [0, 3, 6, 12]
     largest = torch.stack([value for _, value in measured]).amax(0)
     assert pdvi.curvatures == {"a": float(largest[0]), "b": float(largest[1])}
-    assert pdvi.step_sizes == {"a": pdvi.eta_scale / float(largest[0]), "b": fixed_b}
+    assert pdvi.step_sizes == {"a": pdvi.auto_step_size.scale / float(largest[0]), "b": fixed_b}
     assert pdvi.diagnostics["step_sizes"] == pdvi.step_sizes
     # lambda_0 moved with h = H mean(mu); the param store holds it.
     store = torch.cat([pyro.param("a").detach(), pyro.param("b").detach()])
@@ -98,7 +146,9 @@ def test_changing_eta_mid_run_keeps_the_exact_fixed_point():
     problem = Quadratic(num_data=12, num_blocks=4, scale_b=1.0)
     phi_opt, lam_opt = problem.optimum()
     pyro.set_rng_seed(1)  # set-up measures a block that is not the stiffest: eta shrinks at epoch 2
-    pdvi = _quadratic_pdvi(problem, curvature_blocks=1, curvature_iterations=2, remeasure_epochs=(1, 2, 3, 4))
+    pdvi = _quadratic_pdvi(
+        problem, eta=AutoStepSize(curvature_blocks=1, curvature_iterations=2, remeasure_epochs=(1, 2, 3, 4))
+    )
     etas = []
     for _ in range(80):
         for b in torch.randperm(len(problem.blocks)).tolist():
@@ -117,20 +167,26 @@ def test_changing_eta_mid_run_keeps_the_exact_fixed_point():
         assert torch.allclose(pdvi.state.duals[b], -gradient, rtol=0, atol=1e-6 * gradient.abs().max())
 
 
-# The checkpoint round trip across a re-measure: tests/infer/test_pdvi_pyro.py.
+# The checkpoint round trip across a re-measure: tests/infer/test_pdvi.py.
 
 
 @pytest.mark.parametrize(
     "value", ["1", 1, (0,), (-1.0,), (float("nan"),), (float("inf"),), (True,), ("1",)], ids=repr
 )
 def test_remeasure_epochs_validation(value):
-    problem = Hierarchical(num_data=20, num_blocks=4)
     with pytest.raises(ValueError, match="Invalid remeasure_epochs"):
-        PDVI(
-            problem.model,
-            problem.guide,
-            pyro.optim.Adam({"lr": 0.05}),
-            TraceMeanField_ELBO(num_particles=8, vectorize_particles=True),
-            blocks=problem.blocks,
-            remeasure_epochs=value,
-        )
+        AutoStepSize(remeasure_epochs=value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"scale": 0}, "Invalid scale"),
+        ({"scale": True}, "Invalid scale"),
+        ({"curvature_blocks": 0}, "Invalid curvature_blocks"),
+        ({"curvature_iterations": 1.5}, "Invalid curvature_iterations"),
+    ],
+)
+def test_auto_step_size_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AutoStepSize(**kwargs)

@@ -7,45 +7,11 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO, TraceGraph_ELBO, TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoDelta, AutoNormal
+from pyro.infer.autoguide import AutoDelta
 
-from pyro_pdvi import PDVI, NonFiniteStepError
+from pyro_pdvi import PDVI, AutoStepSize, GenericSolver, NonFiniteStepError
 
-
-class Hierarchical:
-    """mu ~ N(0, s0^2); theta_i ~ N(mu, tau^2); x_i ~ N(theta_i, sigma^2); blocks sorted by x."""
-
-    def __init__(self, num_data=100, num_blocks=5, spread=2.0, s0=10.0, tau=1.0, sigma=0.5):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.sort(torch.randn(num_data, generator=g) * spread + 1.0).values
-        self.N, self.s0, self.tau, self.sigma = num_data, s0, tau, sigma
-        self.blocks = list(torch.arange(num_data).chunk(num_blocks))
-
-    def model(self, idx):
-        mu = pyro.sample("mu", dist.Normal(0.0, self.s0))
-        with pyro.plate("data", self.N, subsample=idx) as ind:
-            theta = pyro.sample("theta", dist.Normal(mu, self.tau))
-            pyro.sample("x", dist.Normal(theta, self.sigma), obs=self.x[ind])
-
-    def guide(self, idx):
-        loc = pyro.param("mu_loc", torch.tensor(0.0))
-        scale = pyro.param("mu_scale", torch.tensor(1.0), constraint=dist.constraints.positive)
-        mu = pyro.sample("mu", dist.Normal(loc, scale))
-        with pyro.plate("data", self.N, subsample=idx):
-            theta_loc = pyro.param("theta_loc", torch.zeros(self.N), event_dim=0)
-            theta_scale = pyro.param(
-                "theta_scale", torch.ones(self.N), constraint=dist.constraints.positive, event_dim=0
-            )
-            pyro.sample("theta", dist.Normal(theta_loc, theta_scale))
-        return mu
-
-    def auto_guide(self):
-        return AutoNormal(self.model, create_plates=lambda idx: pyro.plate("data", self.N, subsample=idx))
-
-    def posterior_mean_mu(self):
-        """Exact (and mean-field optimal: the target is Gaussian) mean of q(mu)."""
-        var = self.tau**2 + self.sigma**2
-        return float((self.x.sum() / var) / (1 / self.s0**2 + self.N / var))
+from ..toy_models import Hierarchical
 
 
 @pytest.mark.parametrize("use_autoguide", [False, True], ids=["hand_written", "AutoNormal"])
@@ -53,7 +19,7 @@ class Hierarchical:
 def test_same_training_loop_runs_with_svi_and_pdvi(inference, use_autoguide):
     problem = Hierarchical(num_data=20, num_blocks=4)
     guide = problem.auto_guide() if use_autoguide else problem.guide
-    kwargs = {"blocks": problem.blocks, "inner_steps": 5} if inference is PDVI else {}
+    kwargs = {"blocks": problem.blocks, "solver": GenericSolver(inner_steps=5)} if inference is PDVI else {}
     loss = TraceMeanField_ELBO(num_particles=8, vectorize_particles=True)
     algo = inference(problem.model, guide, pyro.optim.Adam({"lr": 0.05}), loss, **kwargs)
     assert algo.model == problem.model and algo.guide == guide
@@ -94,7 +60,14 @@ def test_map_linear_gaussian_autodelta_reaches_exact_optimum():
 
     guide = AutoDelta(model, create_plates=lambda idx: pyro.plate("data", N, subsample=idx))
     blocks = list(torch.arange(N).chunk(3))
-    pdvi = PDVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), blocks=blocks, inner_steps=30)
+    pdvi = PDVI(
+        model,
+        guide,
+        pyro.optim.Adam({"lr": 0.01}),
+        Trace_ELBO(),
+        blocks=blocks,
+        solver=GenericSolver(inner_steps=30),
+    )
 
     # Normal equations of -log p(w, u, y) in (w, u).
     A = torch.cat([X, torch.eye(N)], 1)
@@ -124,7 +97,7 @@ def test_hierarchical_mean_matches_mean_field_optimum_where_svi_is_off():
         pyro.optim.Adam({"lr": 0.05}),
         loss,
         blocks=problem.blocks,
-        inner_steps=10,
+        solver=GenericSolver(inner_steps=10),
     )
     for _ in range(num_epochs):
         for b in range(len(problem.blocks)):
@@ -147,7 +120,7 @@ def _run(pdvi, blocks, schedule):
     return torch.stack(trajectory)
 
 
-REMEASURE = dict(curvature_blocks=1, curvature_iterations=2, remeasure_epochs=(1, 2))
+REMEASURE = dict(eta=AutoStepSize(curvature_blocks=1, curvature_iterations=2, remeasure_epochs=(1, 2)))
 
 
 @pytest.mark.parametrize(
@@ -170,7 +143,7 @@ def test_checkpoint_round_trip_continues_the_same_trajectory(options, saved_afte
             TraceMeanField_ELBO(num_particles=4, vectorize_particles=True),
             blocks=problem.blocks,
             groups="per_site",
-            inner_steps=8,
+            solver=GenericSolver(inner_steps=8),
             **options,
         )
         return guide, pdvi
@@ -195,7 +168,8 @@ def test_checkpoint_round_trip_continues_the_same_trajectory(options, saved_afte
     assert resumed_pdvi.num_steps == pdvi.num_steps == len(schedule)
     assert resumed_pdvi.step_sizes == pdvi.step_sizes
     assert resumed_pdvi.curvatures == pdvi.curvatures
-    assert resumed_pdvi.state_dict()["remeasured"] == pdvi.state_dict()["remeasured"] == remeasures
+    assert resumed_pdvi.state_dict()["step_sizes"]["remeasured"] == remeasures
+    assert pdvi.state_dict()["step_sizes"]["remeasured"] == remeasures
     assert torch.allclose(resumed, uninterrupted, rtol=0, atol=1e-10)
     for name, value in pyro.get_param_store().items():
         assert torch.allclose(value.detach(), uninterrupted_store[name], rtol=0, atol=1e-10), name
@@ -244,7 +218,7 @@ def _pdvi(problem, **kwargs):
         ({"blocks": [torch.arange(5), torch.arange(6, 20)]}, "no block holds the indices"),
         ({"eta": -1.0}, "Invalid step size eta"),
         ({"eta": "fast"}, "Invalid step size eta"),
-        ({"inner_steps": 0}, "Invalid inner_steps"),
+        ({"solver": lambda problem: None}, "solver must have a method solve"),
         ({"global_update": "mean"}, "Invalid global_update"),
     ],
 )
@@ -272,7 +246,7 @@ def test_group_errors_name_the_site(groups, match):
 
 def test_foreign_indices_are_named():
     problem = Hierarchical(num_data=20, num_blocks=4)
-    pdvi = _pdvi(problem, inner_steps=3)
+    pdvi = _pdvi(problem, solver=GenericSolver(inner_steps=3))
     with pytest.raises(ValueError, match="not a union of whole blocks: it holds 3 indices of block 1"):
         pdvi.step(torch.cat([problem.blocks[0], problem.blocks[1][:3]]))
     assert pdvi.num_steps == 0
@@ -300,7 +274,7 @@ def test_per_datum_blocks_small_global_dimension():
     """Each datum its own block (the paper's per-sample variant)."""
     problem = Hierarchical(num_data=12, num_blocks=12, spread=1.0)
     loss = TraceMeanField_ELBO(num_particles=64, vectorize_particles=True)
-    pdvi = _pdvi(problem, loss=loss, inner_steps=10)
+    pdvi = _pdvi(problem, loss=loss, solver=GenericSolver(inner_steps=10))
     for _ in range(15):
         for b in torch.randperm(len(problem.blocks)).tolist():
             pdvi.step(problem.blocks[b])
@@ -310,7 +284,12 @@ def test_per_datum_blocks_small_global_dimension():
 
 def test_one_particle_monte_carlo_solve_warns():
     problem = Hierarchical(num_data=20, num_blocks=4)
-    pdvi = _pdvi(problem, loss=Trace_ELBO(), inner_steps=2, curvature_blocks=1, curvature_iterations=1)
+    pdvi = _pdvi(
+        problem,
+        loss=Trace_ELBO(),
+        solver=GenericSolver(inner_steps=2),
+        eta=AutoStepSize(curvature_blocks=1, curvature_iterations=1),
+    )
     with pytest.warns(UserWarning, match=r"one particle for the sampled guide sites \['mu', 'theta'\]"):
         pdvi.step(problem.blocks[0])
 
@@ -329,9 +308,8 @@ def test_auto_eta_refuses_a_group_the_objective_ignores():
         TraceMeanField_ELBO(num_particles=4, vectorize_particles=True),
         blocks=problem.blocks,
         groups="per_site",
-        inner_steps=2,
-        curvature_blocks=1,
-        curvature_iterations=2,
+        solver=GenericSolver(inner_steps=2),
+        eta=AutoStepSize(curvature_blocks=1, curvature_iterations=2),
     )
     with pytest.raises(ValueError, match=r"curvature of 0.0 for group 'unused'"):
         pdvi.step(problem.blocks[0])
@@ -345,7 +323,7 @@ def test_auto_global_update_warms_up_with_the_paper_rule_then_averages():
         pyro.optim.Adam({"lr": 0.05}),
         TraceMeanField_ELBO(num_particles=4, vectorize_particles=True),
         blocks=problem.blocks,
-        inner_steps=3,
+        solver=GenericSolver(inner_steps=3),
         warmup_epochs=1.5,
     )
     rules = []
@@ -366,7 +344,7 @@ def test_auto_global_update_keeps_the_paper_rule_for_a_deterministic_solve():
         pyro.optim.Adam({"lr": 0.05}),
         Trace_ELBO(),
         blocks=problem.blocks,
-        inner_steps=3,
+        solver=GenericSolver(inner_steps=3),
         warmup_epochs=0,
     )
     for b in [0, 1, 2, 3]:

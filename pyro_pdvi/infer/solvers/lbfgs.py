@@ -1,4 +1,5 @@
-"""Per-block L-BFGS over ``m`` separable problems in one batched pass, without host syncs.
+"""Per-block L-BFGS over ``m`` separable problems in one batched pass, without host syncs:
+the one L-BFGS of the package (a single problem is a batch of one).
 
 A step over ``m`` blocks minimises ``m`` independent augmented Lagrangians [1, Alg. 1].
 :func:`batched_lbfgs` runs one L-BFGS [2, Alg. 7.5] per block on a stacked ``(m, p)``
@@ -19,14 +20,14 @@ at every block's current trial step ``x_b + t_b d_b``, and decides per block wit
 
 * accept where the step is finite and satisfies Armijo's condition
   ``f_new <= f + c1 t_b <g_b, d_b>`` [2, eq. 3.4], or where ``f_new`` did not rise
-  beyond the rounding of ``f`` and the gradient norm fell (the acceptance of
-  :func:`~pyro_pdvi.infer.primal.lbfgs`, which lets the solve go on below
-  ``|grad| ~ sqrt(eps)``); then store the pair ``(s, y)`` if ``<s, y> > 0`` (relative
-  to ``|s| |y|``) and reset ``t_b`` to 1;
+  beyond the rounding of ``f`` and the gradient norm fell: an Armijo test on function
+  values cannot resolve steps once ``f - f*`` is below the rounding of ``f``
+  (``~ eps |f|``), which would cap the solve at ``|grad| ~ sqrt(eps)``; then store the
+  pair ``(s, y)`` if ``<s, y> > 0`` (relative to ``|s| |y|``) and reset ``t_b`` to 1;
 * otherwise keep ``x_b`` and halve ``t_b``, so the next iteration tries the next
   backtracking point of the same direction (the direction depends only on ``g_b`` and
   the history, neither of which changed). After ``max_backtracks`` rejections in a row
-  the block stops, as :func:`~pyro_pdvi.infer.primal.lbfgs` does.
+  the block stops.
 
 This is backtracking Armijo line search spread over iterations: every accepted step
 satisfies the same sufficient-decrease test as in a nested search, so the usual descent
@@ -55,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_positive_int
+from ...checks import check_positive_int
 
 #: Armijo's sufficient-decrease constant ``c1`` [2, eq. 3.4].
 ARMIJO = 1e-4

@@ -1,0 +1,112 @@
+"""The primal subproblems of one step: each block's augmented Lagrangian [1, Alg. 1-3]
+
+    L_b(phi_b, lambda_b) = f_b(phi_b, lambda_b) + <mu_b, lambda_b - lambda_0>
+                           + 1/2 ||lambda_b - lambda_0||^2_D,
+
+for the ``m >= 1`` blocks ``b`` of a step, stacked along a leading block axis: one block
+is a batch of one. A :class:`~pyro_pdvi.infer.solvers.BlockSolver` takes a
+:class:`BlockProblem` and returns a :class:`BlockSolution`. The blocks' subproblems are
+independent given ``lambda_0`` [1, Alg. 1], so a solver may solve them in one vectorized
+pass or one by one (:meth:`BlockProblem.block`); the result must be the same.
+
+All values are in Pyro's unconstrained space, as dicts keyed by param site name. Global
+sites (``lambda``) are shaped ``(m, *site_shape)`` in the dual and the solution and
+``site_shape`` (shared) in ``consensus`` and ``step_sizes``; a local site's rows
+(``phi_b``) are shaped ``(m, *rows_shape)``, ``rows_shape`` the site's shape with the
+block's ``s`` rows along its plate axis.
+
+[1] Lyu, Yu, Ma, Shi (2026), "Scalable Mean-Field Variational Inference via
+    Preconditioned Primal-Dual Optimization", arXiv:2602.07632.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+from pyro.optim import PyroOptim
+
+if TYPE_CHECKING:
+    from .objective import BlockLosses
+
+
+@dataclass
+class BlockProblem:
+    """The augmented Lagrangians of ``m`` equal-size blocks of one step.
+
+    :param blocks: the block ids, shape ``(m,)``.
+    :param indices: their data indices, shape ``(m, s)``.
+    :param consensus: ``lambda_0`` for each global site (shared by the blocks).
+    :param dual: ``mu_b`` for each global site, shape ``(m, *site_shape)``.
+    :param step_sizes: ``eta`` per coordinate, shaped like each global site
+        (``D = diag(1 / eta)``).
+    :param local: warm starts ``phi_b`` for each local site, ``(m, *rows_shape)``.
+    :param num_blocks: n.
+    :param num_data: N.
+    :param losses: the blocks' ``f_b`` through the Pyro model, guide and loss at this
+        step's fixed Monte Carlo noise (what a generic solver minimises; a closed-form
+        solver does not need it).
+    :param optim: the user's :class:`pyro.optim.PyroOptim`, for a solver that steps with it.
+    :param args: the positional arguments of the step.
+    :param kwargs: the keyword arguments of the step.
+    """
+
+    blocks: torch.Tensor
+    indices: torch.Tensor
+    consensus: dict[str, torch.Tensor]
+    dual: dict[str, torch.Tensor]
+    step_sizes: dict[str, torch.Tensor]
+    local: dict[str, torch.Tensor]
+    num_blocks: int
+    num_data: int
+    losses: BlockLosses | None = None
+    optim: PyroOptim | None = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.indices.shape[0]
+
+    def block(self, i: int) -> BlockProblem:
+        """The ``i``-th block as a problem of its own (a batch of one; views, no copies)."""
+        keep = slice(i, i + 1)
+        return replace(
+            self,
+            blocks=self.blocks[keep],
+            indices=self.indices[keep],
+            dual={k: v[keep] for k, v in self.dual.items()},
+            local={k: v[keep] for k, v in self.local.items()},
+            losses=None if self.losses is None else self.losses.select(i),
+        )
+
+    def penalty(self, copies: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each block's ``<mu_b, lambda_b - lambda_0> + 1/2 ||lambda_b - lambda_0||^2_D``,
+        shape ``(m,)``, for copies shaped ``(m, *site_shape)``."""
+        total = 0.0
+        for name, value in copies.items():
+            diff = value - self.consensus[name]
+            terms = self.dual[name] * diff + 0.5 * diff.square() / self.step_sizes[name]
+            total = total + terms.reshape(len(terms), -1).sum(1)
+        return total
+
+    def whitened_copies(self, whitened: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``lambda_b = lambda_0 + sqrt(eta) * z_b`` for whitened ``z_b`` of shape
+        ``(m, *site_shape)``: in ``z`` the penalty's quadratic is ``1/2 ||z_b||^2``, so the
+        subproblem stays well conditioned whatever the step sizes are."""
+        return {k: self.consensus[k] + self.step_sizes[k].sqrt() * z for k, z in whitened.items()}
+
+
+@dataclass
+class BlockSolution:
+    """What a solver returns for a :class:`BlockProblem`.
+
+    :param globals: ``lambda_b`` for each global site, shape ``(m, *site_shape)``.
+    :param local: the new ``phi_b`` for each local site, shaped like ``problem.local``.
+    :param loss: ``f_b`` at each solution, shape ``(m,)``, if the solver knows it (else
+        PDVI evaluates it).
+    """
+
+    globals: dict[str, torch.Tensor]
+    local: dict[str, torch.Tensor]
+    loss: torch.Tensor | None = None

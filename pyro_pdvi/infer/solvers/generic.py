@@ -1,0 +1,137 @@
+"""The primal solve for any Pyro model: each block's augmented Lagrangian through the model,
+guide and loss (:class:`~pyro_pdvi.infer.objective.BlockObjective`), with the step's Monte
+Carlo noise held fixed, so that a quasi-Newton method sees a deterministic objective.
+
+:class:`GenericSolver` is PDVI's default solver. With ``method="lbfgs"`` every block runs
+its own L-BFGS (:func:`~pyro_pdvi.infer.solvers.lbfgs.batched_lbfgs`: own history, step
+length and acceptance) on its whitened globals ``z_b`` (``lambda_b = lambda_0 + sqrt(eta)
+z_b``, :meth:`~pyro_pdvi.infer.problem.BlockProblem.whitened_copies`) and its rows, all
+blocks in one batched pass; the blocks' objectives come from the loop kernel or, with
+``vectorize=True``, from one ``vmap``-ped evaluation. With ``method="optim"`` the user's
+:class:`pyro.optim.PyroOptim` takes ``inner_steps`` steps on every block's variables (its
+torch optimizer is coordinate-wise, so the blocks do not interact).
+"""
+
+from __future__ import annotations
+
+import torch
+from pyro.optim import PyroOptim
+from pyro.params.param_store import (
+    module_from_param_with_module_name,
+    normalize_param_name,
+    user_param_name,
+)
+
+from ...checks import check_positive_int
+from ..problem import BlockProblem, BlockSolution
+from .lbfgs import batched_lbfgs
+
+METHODS = ("lbfgs", "optim")
+
+
+class GenericSolver:
+    """Minimise each block's augmented Lagrangian through the Pyro model (module docstring).
+
+    :param inner_steps: with ``"lbfgs"``, evaluations of the block objectives per solve
+        (one per L-BFGS iteration, rejected trial steps included); with ``"optim"``,
+        optimizer steps.
+    :param method: ``"lbfgs"`` (default) or ``"optim"`` (the PDVI's ``optim``).
+    :param vectorize: evaluate a problem of several blocks in one ``torch.func.vmap`` pass
+        instead of a loop (:mod:`~pyro_pdvi.infer.objective`; one block is always a plain
+        evaluation). Faster for many small blocks, slower for large ones
+        (``docs/benchmarks.md``, section 6); a model that ``vmap`` cannot map raises
+        :class:`~pyro_pdvi.errors.VectorizationError` on the first such step.
+    """
+
+    def __init__(self, inner_steps: int = 20, method: str = "lbfgs", vectorize: bool = False) -> None:
+        if method not in METHODS:
+            raise ValueError(f"Invalid method: {method!r}; use one of {METHODS}")
+        if not isinstance(vectorize, bool):
+            raise ValueError(f"Invalid vectorize: {vectorize!r}; use True or False")
+        self.inner_steps = check_positive_int(inner_steps, "inner_steps")
+        self.method = method
+        self.vectorize = vectorize
+
+    def __repr__(self) -> str:
+        return (
+            f"GenericSolver(inner_steps={self.inner_steps}, method={self.method!r}, "
+            f"vectorize={self.vectorize})"
+        )
+
+    def solve(self, problem: BlockProblem) -> BlockSolution:
+        """Solve the problem's blocks through ``problem.losses``.
+
+        :param problem: the step's subproblems, with their objective bound.
+        :returns: ``lambda_b``, ``phi_b`` and ``f_b`` of every block.
+        :rtype: BlockSolution
+        """
+        if problem.losses is None:
+            raise ValueError("GenericSolver needs problem.losses, the blocks' objective through the model")
+        vectorize = self.vectorize and len(problem) > 1
+        if self.method == "lbfgs":
+            return self._solve_by_lbfgs(problem, vectorize)
+        return self._solve_by_optim(problem, vectorize)
+
+    def _solve_by_lbfgs(self, problem: BlockProblem, vectorize: bool) -> BlockSolution:
+        num_blocks = len(problem)
+        shapes = {k: v.shape for k, v in problem.consensus.items()}
+        shapes.update({k: v.shape[1:] for k, v in problem.local.items()})
+        sizes = [shape.numel() for shape in shapes.values()]
+        start = torch.cat(
+            [v.new_zeros(num_blocks, v.numel()) for v in problem.consensus.values()]
+            + [v.detach().reshape(num_blocks, -1) for v in problem.local.values()],
+            dim=1,
+        )
+
+        def unpack(x: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+            parts = {
+                name: part.reshape(num_blocks, *shape)
+                for (name, shape), part in zip(shapes.items(), x.split(sizes, dim=1))
+            }
+            whitened = {k: parts[k] for k in problem.consensus}
+            return problem.whitened_copies(whitened), {k: parts[k] for k in problem.local}
+
+        def augmented_lagrangians(x: torch.Tensor) -> torch.Tensor:
+            copies, rows = unpack(x)
+            return problem.losses(copies, rows, vectorize) + problem.penalty(copies)
+
+        # On a CPU a host read costs nothing: stop as soon as every block has stopped.
+        check_every = 1 if start.device.type == "cpu" else None
+        result = batched_lbfgs(augmented_lagrangians, start, self.inner_steps, check_every=check_every)
+        with torch.no_grad():
+            copies, rows = unpack(result.x)
+            losses = result.value - problem.penalty(copies)
+        return BlockSolution(copies, rows, losses)
+
+    def _solve_by_optim(self, problem: BlockProblem, vectorize: bool) -> BlockSolution:
+        optim = problem.optim
+        if not isinstance(optim, PyroOptim):
+            raise ValueError('GenericSolver(method="optim") needs the PDVI\'s optim, a pyro.optim.PyroOptim')
+        num_blocks = len(problem)
+        copies = {
+            k: v.detach().expand(num_blocks, *v.shape).clone().requires_grad_()
+            for k, v in problem.consensus.items()
+        }
+        rows = {k: v.detach().clone().requires_grad_() for k, v in problem.local.items()}
+        variables = {**copies, **rows}
+        inner = optim.pt_optim_constructor(
+            [{"params": [p], **_optim_args(optim, name)} for name, p in variables.items()]
+        )
+        for _ in range(self.inner_steps):
+            inner.zero_grad()
+            (problem.losses(copies, rows, vectorize) + problem.penalty(copies)).sum().backward()
+            inner.step()
+        losses = problem.losses(copies, rows, vectorize).detach()
+        return BlockSolution(
+            {k: v.detach() for k, v in copies.items()}, {k: v.detach() for k, v in rows.items()}, losses
+        )
+
+
+def _optim_args(optim: PyroOptim, site: str) -> dict:
+    """The PyroOptim's arguments for one site, including per-param callables."""
+    args = optim.pt_optim_args
+    if not callable(args):
+        return dict(args)
+    if optim.pt_optim_args_argc == 1:
+        return args(normalize_param_name(site))
+    return args(module_from_param_with_module_name(site), user_param_name(site))
