@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from .sites import GlobalLayout
+
 GLOBAL_UPDATES = ("consensus", "paper")
 
 
@@ -146,3 +148,34 @@ class ConsensusState:
         self.global_update = state["global_update"]
         for key in ("consensus", "step_sizes", "duals", "copies", "dual_mean", "copy_mean"):
             setattr(self, key, state[key].detach().clone().to(self.duals))
+
+
+def find_non_finite(
+    block_ids: torch.Tensor,
+    losses: torch.Tensor,
+    rows: list[dict[str, torch.Tensor]],
+    update: ConsensusUpdate,
+    layout: GlobalLayout,
+) -> tuple[int, str]:
+    """The first block and quantity of a step that is not finite (the slow path of a refused
+    step, for its error message).
+
+    :param block_ids: the step's blocks, shape ``(m,)``.
+    :param losses: their ``f_b``, shape ``(m,)``.
+    :param rows: each block's new local rows, by site.
+    :param update: the proposed update (copies, duals, consensus).
+    :param layout: the layout of the global params, to name a site.
+    :returns: the block id and a description such as ``'value of site "m"'``.
+    """
+    ids = block_ids.tolist()
+    for i, b in enumerate(ids):
+        if not torch.isfinite(losses[i]):
+            return b, "loss f_b"
+        for name, value in {**layout.unflatten(update.copies[i]), **rows[i]}.items():
+            if not torch.isfinite(value).all():
+                return b, f'value of site "{name}"'
+    for b, dual in zip(ids, update.duals):
+        if not torch.isfinite(dual).all():
+            return b, f'dual of site "{layout.site_of(int((~torch.isfinite(dual)).nonzero()[0]))}"'
+    bad = int((~torch.isfinite(update.consensus)).nonzero()[0])
+    return ids[0], f'consensus of site "{layout.site_of(bad)}"'

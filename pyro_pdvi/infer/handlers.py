@@ -12,17 +12,35 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+from pyro import poutine
 from pyro.poutine.messenger import Messenger
-from pyro.poutine.runtime import Message
+from pyro.poutine.runtime import Message, NonlocalExit
 from torch.distributions import constraints, transform_to
 
 
 def is_subsample_site(msg: Message) -> bool:
     """Whether a trace node or message is the subsample site of a ``pyro.plate``."""
     return msg["type"] == "sample" and type(msg["fn"]).__name__ == "_Subsample"
+
+
+def subsample_at(fn: Callable, plate_name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The subsample of the plate ``plate_name`` when ``fn(*args, **kwargs)`` enters it: ``fn``
+    runs up to the plate and stops there, without sampling the rest (a whole trace of a
+    large block cost more than its solve). ``None`` if ``fn`` never enters the plate."""
+
+    def at_plate(msg: dict) -> bool:
+        return msg["name"] == plate_name and is_subsample_site(msg)
+
+    try:
+        with torch.no_grad(), poutine.block():
+            poutine.escape(fn, escape_fn=at_plate)(*args, **kwargs)
+    except NonlocalExit as exit_:
+        exit_.reset_stack()
+        return exit_.site["value"]
+    return None
 
 
 class BlockSubsample(Messenger):

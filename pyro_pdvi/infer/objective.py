@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from pyro.infer import ELBO
 
 from ..errors import VectorizationError
 from ._vmap import vmap_compatible_pyro
@@ -37,6 +38,23 @@ Values = dict[str, torch.Tensor]
 
 #: ``randomness=`` values of :func:`torch.func.vmap` that the vectorized kernel accepts.
 RANDOMNESS = ("different", "same")
+
+
+def loss_function(loss: Any) -> LossFn:
+    """The differentiable ``loss(model, guide, *args, **kwargs)`` of a Pyro ELBO or callable.
+
+    :raises ValueError: for an ELBO without ``differentiable_loss`` or anything else.
+    """
+    if hasattr(loss, "differentiable_loss"):
+        return loss.differentiable_loss
+    if isinstance(loss, ELBO):
+        raise ValueError(
+            f"{type(loss).__name__} has no differentiable_loss, which PDVI needs for its primal "
+            "solve; use Trace_ELBO, TraceMeanField_ELBO or TraceEnum_ELBO"
+        )
+    if callable(loss):
+        return loss
+    raise ValueError(f"loss must be a Pyro ELBO or a callable, got {type(loss).__name__}")
 
 
 class BlockObjective:
@@ -94,44 +112,6 @@ class BlockObjective:
         loss = self.loss_fn(run_blocked(self.model), run_blocked(self.guide), *args, **kwargs)
         return loss * (indices.shape[-1] / self.plate.size)
 
-    def looped(
-        self,
-        copies: Values,
-        rows: Values,
-        indices: torch.Tensor,
-        seeds: Sequence[int],
-        args: tuple,
-        kwargs: dict,
-    ) -> torch.Tensor:
-        """The loop kernel: ``f_b`` block by block, each at the noise of its own seed."""
-        device = indices.device
-        losses = []
-        for i, seed in enumerate(seeds):
-            with FixedNoise(seed, device)():
-                block_copies = {k: v[i] for k, v in copies.items()}
-                block_rows = {k: v[i] for k, v in rows.items()}
-                losses.append(self.one_block(block_copies, block_rows, indices[i], args, kwargs))
-        return torch.stack(losses)
-
-    def vectorized(
-        self,
-        copies: Values,
-        rows: Values,
-        indices: torch.Tensor,
-        seeds: Sequence[int],
-        args: tuple,
-        kwargs: dict,
-    ) -> torch.Tensor:
-        """The vectorized kernel: ``f_b`` of all blocks in one ``vmap``-ped Pyro loss, every
-        block drawing its own noise from ``seeds[0]``; differentiable in copies and rows.
-
-        :raises VectorizationError: when ``vmap`` cannot map the model, guide or loss.
-        """
-        with FixedNoise(seeds[0], indices.device)():
-            return _MappedLossAndGradient.apply(
-                self, indices, list(copies), list(rows), args, kwargs, *copies.values(), *rows.values()
-            )
-
     def losses_and_gradients(
         self, indices: torch.Tensor, copies: Values, rows: Values, args: tuple, kwargs: dict
     ) -> tuple[torch.Tensor, Values, Values]:
@@ -180,7 +160,7 @@ class _MappedLossAndGradient(torch.autograd.Function):
 
 class BlockLosses:
     """The ``f_b`` of a step's blocks as a function of their copies and rows, at the step's
-    fixed Monte Carlo noise (:meth:`BlockObjective.bind`).
+    fixed Monte Carlo noise (:meth:`BlockObjective.bind`), by the loop or the vectorized kernel.
 
     :param objective: the block objective.
     :param indices: the blocks' data indices, ``(m, s)``.
@@ -203,13 +183,31 @@ class BlockLosses:
         (shaped ``(m, ...)``). ``TraceEnum_ELBO`` refuses to evaluate a loss that nothing
         requires the gradient of: pass copies that require grad.
 
-        :param vectorize: use the vectorized kernel instead of the loop.
+        :param vectorize: the vectorized kernel (one ``vmap``-ped loss, every block drawing
+            its own noise from the first block's seed) instead of the loop (each block at
+            the noise of its own seed).
+        :raises VectorizationError: when ``vmap`` cannot map the model, guide or loss.
         """
-        kernel = self.objective.vectorized if vectorize else self.objective.looped
-        return kernel(copies, rows, self.indices, self.seeds, self.args, self.kwargs)
+        device = self.indices.device
+        if vectorize:
+            with FixedNoise(self.seeds[0], device)():
+                return _MappedLossAndGradient.apply(
+                    self.objective, self.indices, list(copies), list(rows), self.args, self.kwargs,
+                    *copies.values(), *rows.values(),
+                )  # fmt: skip
+        losses = []
+        for i, seed in enumerate(self.seeds):
+            with FixedNoise(seed, device)():
+                block_copies = {k: v[i] for k, v in copies.items()}
+                block_rows = {k: v[i] for k, v in rows.items()}
+                losses.append(
+                    self.objective.one_block(
+                        block_copies, block_rows, self.indices[i], self.args, self.kwargs
+                    )
+                )
+        return torch.stack(losses)
 
     def select(self, i: int) -> BlockLosses:
         """The ``i``-th block's objective alone."""
-        return BlockLosses(
-            self.objective, self.indices[i : i + 1], self.seeds[i : i + 1], self.args, self.kwargs
-        )
+        keep = slice(i, i + 1)
+        return BlockLosses(self.objective, self.indices[keep], self.seeds[keep], self.args, self.kwargs)

@@ -23,26 +23,23 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import pyro
 import torch
-from pyro import poutine
 from pyro.infer import ELBO
 from pyro.optim import PyroOptim
-from pyro.poutine.runtime import NonlocalExit
 from tqdm.auto import tqdm
 
-from ..checks import check_positive_int
+from ..checks import check_choice, check_non_negative, check_positive_int
 from ..errors import NonFiniteStepError
 from .antithetic import antithetic_loss, check_antithetic_loss, has_particle_pairs
 from .blocks import BlockPartition
-from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate
-from .handlers import is_subsample_site
-from .objective import BlockObjective
+from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate, find_non_finite
+from .handlers import subsample_at
+from .objective import BlockObjective, loss_function
 from .params import ParamStoreView
 from .problem import BlockProblem
-from .sites import GlobalLayout, find_data_plate, monte_carlo_sites, split_param_sites
+from .sites import GlobalLayout, find_sites
 from .solvers import BlockSolver, GenericSolver
-from .step_sizes import AutoStepSize, StepSizes, check_eta, estimate_curvatures, resolve_groups
+from .step_sizes import AutoStepSize, StepSizes, check_eta, resolve_groups
 
 ORDERS = ("shuffle", "cyclic")
 
@@ -113,27 +110,19 @@ class PDVI:
         default :class:`~pyro_pdvi.infer.solvers.GenericSolver` (any model, through the
         loss), or a model's closed-form solver such as
         :class:`~pyro_pdvi.models.gmm.GMMBlockSolver`.
-    :param global_update: how ``lambda_0`` moves (same fixed point for all; see
-        :mod:`~pyro_pdvi.infer.consensus`): ``"paper"`` (``gamma`` = mean of this step's
-        copies, as in [1]), ``"consensus"`` (mean of every block's latest copy, the exact
-        minimiser of the augmented Lagrangian in ``lambda_0``), or ``"auto"`` (default):
-        the paper's rule when the block solve is deterministic (a solver other than
-        :class:`~pyro_pdvi.infer.solvers.GenericSolver`, or a guide with no Monte Carlo
-        site: Delta or enumerated sites only), else the paper's rule for the first
-        ``warmup_epochs`` epochs of block visits and the consensus rule after. With one
-        block per step the paper's rule moves ``lambda_0`` about n times further per
-        epoch, but hands each solve's Monte Carlo noise to ``lambda_0`` in full; the
-        consensus rule averages it over the blocks (``docs/benchmarks.md``).
+    :param global_update: how ``lambda_0`` moves (:mod:`~pyro_pdvi.infer.consensus`; same fixed
+        point for all): ``"paper"`` (the mean of this step's copies, as in [1]), ``"consensus"``
+        (the mean of every block's latest copy, which averages the solves' Monte Carlo noise
+        over the blocks) or ``"auto"`` (default): the paper's rule for a deterministic solve
+        (a solver other than :class:`~pyro_pdvi.infer.solvers.GenericSolver`, or a guide
+        without Monte Carlo sites), else the paper's rule for ``warmup_epochs`` epochs and
+        the consensus rule after (``docs/benchmarks.md``, sections 1 and 2).
     :param warmup_epochs: epochs (block visits / n) of the paper's rule before ``"auto"``
         switches to the consensus rule for a Monte Carlo solve.
     :param antithetic: draw every Gaussian guide site's noise in antithetic pairs over the
-        ELBO's vectorized particles (:mod:`~pyro_pdvi.infer.antithetic`; needs
-        ``vectorize_particles=True`` and an even ``num_particles``). A fixed-noise block
-        solve then has no term linear in the noise, a term that otherwise moves the solved
-        means and scales with the noise's sample mean. ``"auto"`` (default): on when the
-        loss is such an ELBO. Measured on the hierarchical model of docs/benchmarks.md,
-        section 2 (sorted blocks, 8 particles): error of E_q[mu] 0.0553 -> 0.0003, of
-        sd_q[mu] 53% -> 4%; on the GMM of section 1 no change.
+        ELBO's vectorized particles (:mod:`~pyro_pdvi.infer.antithetic`), which removes the
+        term linear in the noise from a fixed-noise block solve. ``"auto"`` (default): on
+        when the loss vectorizes an even number of particles.
     :param plate_name: name of the data plate, if several plates have size N.
     """
 
@@ -158,25 +147,8 @@ class PDVI:
                 f"optim must be a pyro.optim.PyroOptim such as pyro.optim.Adam({{'lr': 0.01}}), "
                 f"got {type(optim).__name__}"
             )
-        if isinstance(loss, ELBO) or hasattr(loss, "differentiable_loss"):
-            loss_fn = getattr(loss, "differentiable_loss", None)
-            if loss_fn is None:
-                raise ValueError(
-                    f"{type(loss).__name__} has no differentiable_loss, which PDVI needs for "
-                    "its primal solve; use Trace_ELBO, TraceMeanField_ELBO or TraceEnum_ELBO"
-                )
-        elif callable(loss):
-            loss_fn = loss
-        else:
-            raise ValueError(f"loss must be a Pyro ELBO or a callable, got {type(loss).__name__}")
-        if global_update not in ("auto", *GLOBAL_UPDATES):
-            raise ValueError(
-                f"Invalid global_update: {global_update!r}; use 'auto' or one of {GLOBAL_UPDATES}"
-            )
-        if isinstance(warmup_epochs, bool) or not (
-            isinstance(warmup_epochs, (int, float)) and warmup_epochs >= 0
-        ):
-            raise ValueError(f"Invalid warmup_epochs: {warmup_epochs!r}; use a non-negative number")
+        loss_fn = loss_function(loss)
+        check_choice(global_update, ("auto", *GLOBAL_UPDATES), "global_update")
         if solver is None:
             solver = GenericSolver()
         elif not callable(getattr(solver, "solve", None)):
@@ -203,7 +175,7 @@ class PDVI:
         self.groups = groups
         self.solver = solver
         self.global_update = global_update
-        self.warmup_epochs = float(warmup_epochs)
+        self.warmup_epochs = check_non_negative(warmup_epochs, "warmup_epochs")
         self.antithetic = antithetic
         self.plate_name = plate_name
         self.num_steps = 0
@@ -223,36 +195,19 @@ class PDVI:
         """Find the data plate and the sites, lay out the state, measure ``"auto"`` steps."""
         if self._rng is None:
             self._seed_generator()
-        with torch.no_grad(), poutine.block():
-            guide_trace = poutine.trace(self.guide).get_trace(*args, **kwargs)
-            model_trace = poutine.trace(poutine.replay(self.model, trace=guide_trace)).get_trace(
-                *args, **kwargs
-            )
-        store = pyro.get_param_store()
-        unconstrained = dict(store.named_parameters())
-        traces = [guide_trace, model_trace]
-        self.plate = find_data_plate(traces, self.partition.num_data, self.plate_name)
-        self._plate_in_guide = self.plate.name in guide_trace.nodes
-        global_sites, self.local_sites = split_param_sites(
-            traces, self.plate, store.get_state()["constraints"], unconstrained
-        )
-        if not global_sites:
-            raise ValueError(
-                "the model and guide have no global params (params outside the data plate); "
-                "PD-VI has nothing to couple across blocks. Use pyro.infer.SVI."
-            )
-        sampled = monte_carlo_sites(guide_trace)
-        self._noisy_solve = isinstance(self.solver, GenericSolver) and bool(sampled)
+        found = find_sites(self.model, self.guide, args, kwargs, self.partition.num_data, self.plate_name)
+        self.plate, self.local_sites, global_sites = found.plate, found.local_sites, found.global_sites
+        self._plate_in_guide = found.plate_in_guide
+        self._noisy_solve = isinstance(self.solver, GenericSolver) and bool(found.monte_carlo_sites)
         if self._noisy_solve and getattr(self.loss, "num_particles", 2) == 1:
             warnings.warn(
-                f"PDVI holds the Monte Carlo noise fixed within each primal solve, and the loss "
-                f"draws one particle for the sampled guide sites {sampled}: the solve then "
+                f"PDVI holds the Monte Carlo noise fixed within each primal solve, and the loss draws "
+                f"one particle for the sampled guide sites {found.monte_carlo_sites}: the solve then "
                 "minimises a one-sample surrogate whose optimum can be far off (scales drift). "
                 "Use e.g. TraceMeanField_ELBO(num_particles=16, vectorize_particles=True).",
                 stacklevel=4,
             )
         self.layout = GlobalLayout(global_sites)
-        self.device = unconstrained[global_sites[0].name].device
         self._params = ParamStoreView(self.layout, self.local_sites)
         self._objective = BlockObjective(
             self.model, self.guide, self._loss_fn, self.plate, self.layout, self.local_sites
@@ -260,6 +215,7 @@ class PDVI:
         groups = resolve_groups(self.groups, self.layout.names, self.eta)
         self._step_sizes = StepSizes(groups, self.layout, self.auto_step_size)
         consensus = self._params.consensus()
+        self.device = consensus.device
         self._state = ConsensusState(consensus, len(self.partition), torch.ones_like(consensus))
         # One evaluation before any solve: an ELBO's lazy set-up (Pyro guesses
         # max_plate_nesting by tracing, which draws) must not shift the fixed noise of
@@ -375,25 +331,17 @@ class PDVI:
         return [(base + (b + 1) * 0x9E3779B97F4A7C15) % 2**63 for b in block_ids.tolist()]
 
     def _step_subsample(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        """The data plate's subsample in this call: the guide (or, if the plate is only in
-        the model, the model) runs up to the plate and stops there, without sampling the
-        rest (the whole trace cost more than the solve on large blocks)."""
+        """The data plate's subsample in this call, from the guide (or, if the plate is only in
+        the model, the model) run up to the plate."""
         fn = self.guide if self._plate_in_guide else self.model
-
-        def at_data_plate(msg: dict) -> bool:
-            return msg["name"] == self.plate.name and is_subsample_site(msg)
-
-        try:
-            with torch.no_grad(), poutine.block():
-                poutine.escape(fn, escape_fn=at_data_plate)(*args, **kwargs)
-        except NonlocalExit as exit_:
-            exit_.reset_stack()
-            return exit_.site["value"]
-        where = "guide" if self._plate_in_guide else "model"
-        raise ValueError(
-            f"this step's {where} never entered the data plate {self.plate.name!r}, so PDVI cannot "
-            "tell which block it is; pass the block's indices as the plate's subsample"
-        )
+        subsample = subsample_at(fn, self.plate.name, args, kwargs)
+        if subsample is None:
+            where = "guide" if self._plate_in_guide else "model"
+            raise ValueError(
+                f"this step's {where} never entered the data plate {self.plate.name!r}, so PDVI "
+                "cannot tell which block it is; pass the block's indices as the plate's subsample"
+            )
+        return subsample
 
     def _rule_for_step(self) -> str:
         """The global-update rule of the coming step (see ``global_update``)."""
@@ -459,32 +407,15 @@ class PDVI:
                 f"PDVI step {self.num_steps + 1}: a block of another process produced a non-finite "
                 "value; the step was refused in every process and no param, dual or copy changed."
             )
-        b, culprit = self._find_non_finite(solved, update)
+        rows = [
+            {k: v[i] for k, v in part.items()} for indices, part in solved.parts for i in range(len(indices))
+        ]
+        b, culprit = find_non_finite(solved.block_ids, solved.losses, rows, update, self.layout)
         raise NonFiniteStepError(
             f"PDVI step {self.num_steps + 1}: block {b} produced a non-finite {culprit}; the step "
             "was refused and no param, dual or copy changed. Check the model on this block, "
             "or lower eta (or AutoStepSize(scale=...))."
         )
-
-    def _find_non_finite(self, solved: StepSolution, update: ConsensusUpdate) -> tuple[int, str]:
-        """The first block and quantity that is not finite (the slow path of a refused step)."""
-        block_ids = solved.block_ids.tolist()
-        rows = [
-            {k: v[i] for k, v in local.items()}
-            for indices, local in solved.parts
-            for i in range(len(indices))
-        ]
-        for i, b in enumerate(block_ids):
-            if not torch.isfinite(solved.losses[i]):
-                return b, "loss f_b"
-            for name, value in {**self.layout.unflatten(solved.copies[i]), **rows[i]}.items():
-                if not torch.isfinite(value).all():
-                    return b, f'value of site "{name}"'
-        for b, dual in zip(block_ids, update.duals):
-            if not torch.isfinite(dual).all():
-                return b, f'dual of site "{self.layout.site_of(int((~torch.isfinite(dual)).nonzero()[0]))}"'
-        bad = int((~torch.isfinite(update.consensus)).nonzero()[0])
-        return block_ids[0], f'consensus of site "{self.layout.site_of(bad)}"'
 
     # ---------------------------------------------------------------- epochs
 
@@ -518,8 +449,7 @@ class PDVI:
         :rtype: RunResult
         """
         check_positive_int(num_epochs, "num_epochs")
-        if order not in ORDERS:
-            raise ValueError(f"Invalid order: {order!r}; use one of {ORDERS}")
+        check_choice(order, ORDERS, "order")
         first = self._epoch_blocks()[0]
         if self._state is None:
             self._setup(args, self._with_block(kwargs, first, subsample_arg))
@@ -552,29 +482,14 @@ class PDVI:
     # ------------------------------------------------------------ step sizes
 
     def _measure_curvatures(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        """Max over a few blocks of each group's curvature ``L_j`` at ``lambda_0``.
-
-        The curvature is that of the reduced block objective ``g_b(lambda) = min_phi
-        f_b(phi, lambda)``, the function whose gradient the dual tracks (``mu_b = -grad g_b``
-        after an exact primal solve). Where the locals are strongly coupled to the globals
-        it is much smaller than the ``lambda``-block of the Hessian of ``f_b`` (5x on the
-        linear-Gaussian test), and a step size from the latter is needlessly small.
-        """
-        auto = self.auto_step_size
-        chosen = torch.randperm(len(self.partition), generator=self._rng)[: auto.curvature_blocks]
-        curvatures = [
-            estimate_curvatures(
-                self._reduced_gradient(b, args, kwargs),
-                self._state.consensus,
-                self._step_sizes.group_of,
-                len(self._step_sizes.groups),
-                auto.curvature_iterations,
-                # phi*(lambda) is solved to ~1e-9 (float64): keep FD errors far below the step.
-                relative_step=1e-3 if self.local_sites else None,
-            )
-            for b in chosen.tolist()
+        """Each group's curvature ``L_j`` at ``lambda_0``, max over a few random blocks
+        (:meth:`~pyro_pdvi.infer.step_sizes.StepSizes.measure`)."""
+        chosen = torch.randperm(len(self.partition), generator=self._rng)[
+            : self.auto_step_size.curvature_blocks
         ]
-        return torch.stack(curvatures).amax(0).cpu()
+        gradients = [self._reduced_gradient(b, args, kwargs) for b in chosen.tolist()]
+        # phi*(lambda) is solved to ~1e-9 (float64): keep finite-difference errors far below the step.
+        return self._step_sizes.measure(gradients, self._state.consensus, 1e-3 if self.local_sites else None)
 
     def _reduced_gradient(self, b: int, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
         """``lambda -> grad g_b(lambda)`` with ``g_b = min_phi f_b``, at one fixed noise; the

@@ -14,10 +14,13 @@ by :class:`GlobalLayout`, so duals and block copies are plain ``(n, P)`` tensors
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import pyro
 import pyro.distributions as dist
 import torch
+from pyro import poutine
 from pyro.poutine.trace_struct import Trace
 from torch.distributions import constraints
 
@@ -204,3 +207,49 @@ def monte_carlo_sites(guide_trace: Trace) -> list[str]:
         and not isinstance(site["fn"], dist.Delta)
         and site["infer"].get("enumerate") is None
     ]
+
+
+@dataclass(frozen=True)
+class FoundSites:
+    """What :func:`find_sites` finds in one call of a model and guide.
+
+    :param plate: the data plate.
+    :param global_sites: the global param sites, by name.
+    :param local_sites: the local param sites, by name.
+    :param plate_in_guide: whether the guide enters the data plate (else only the model does).
+    :param monte_carlo_sites: the guide's sample sites estimated by Monte Carlo.
+    """
+
+    plate: DataPlate
+    global_sites: list[GlobalSite]
+    local_sites: list[LocalSite]
+    plate_in_guide: bool
+    monte_carlo_sites: list[str]
+
+
+def find_sites(
+    model: Callable, guide: Callable, args: tuple, kwargs: dict, num_data: int, plate_name: str | None
+) -> FoundSites:
+    """Trace the guide and the model once (creating their params) and classify what they hold.
+
+    :param model: the Pyro model.
+    :param guide: the Pyro guide.
+    :param args: positional arguments of a step.
+    :param kwargs: keyword arguments of a step.
+    :param num_data: N, the number of indices the blocks cover.
+    :param plate_name: the data plate's name if the user gave it.
+    :raises ValueError: from :func:`find_data_plate` and :func:`split_param_sites`.
+    """
+    with torch.no_grad(), poutine.block():
+        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
+    traces = [guide_trace, model_trace]
+    plate = find_data_plate(traces, num_data, plate_name)
+    store = pyro.get_param_store()
+    unconstrained = dict(store.named_parameters())
+    global_sites, local_sites = split_param_sites(
+        traces, plate, store.get_state()["constraints"], unconstrained
+    )
+    return FoundSites(
+        plate, global_sites, local_sites, plate.name in guide_trace.nodes, monte_carlo_sites(guide_trace)
+    )

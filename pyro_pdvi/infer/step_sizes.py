@@ -254,6 +254,39 @@ class StepSizes:
         """Which groups take ``eta_j = scale / L_j``, shape ``(J,)``."""
         return torch.tensor([g.eta == "auto" for g in self.groups])
 
+    def measure(
+        self,
+        reduced_gradients: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+        point: torch.Tensor,
+        relative_step: float | None = None,
+    ) -> torch.Tensor:
+        """Each group's curvature ``L_j`` at ``point``, the max over blocks of
+        :func:`estimate_curvatures` of their reduced gradients.
+
+        The curvature is that of the reduced block objective ``g_b(lambda) = min_phi
+        f_b(phi, lambda)``, the function whose gradient the dual tracks (``mu_b = -grad g_b``
+        after an exact primal solve). Where the locals are strongly coupled to the globals it
+        is much smaller than the ``lambda``-block of the Hessian of ``f_b`` (5x on the
+        linear-Gaussian test), and a step size from the latter is needlessly small.
+
+        :param reduced_gradients: ``lambda -> grad g_b(lambda)`` of each measured block.
+        :param point: ``lambda_0``, a flat vector.
+        :param relative_step: the finite-difference step (see :func:`estimate_curvatures`).
+        :returns: ``(J,)`` on the host.
+        """
+        curvatures = [
+            estimate_curvatures(
+                gradient,
+                point,
+                self.group_of,
+                len(self.groups),
+                self.auto.curvature_iterations,
+                relative_step,
+            )
+            for gradient in reduced_gradients
+        ]
+        return torch.stack(curvatures).amax(0).cpu()
+
     def set_curvatures(self, curvatures: torch.Tensor) -> None:
         """Take ``eta_j = scale / L_j`` in every ``"auto"`` group from the first measurement.
 

@@ -12,7 +12,7 @@ import pyro
 import pytest
 import torch
 
-from pyro_pdvi import PDVI
+from pyro_pdvi import PDVI, AutoStepSize
 
 WORKER = Path(__file__).with_name("worker.py")
 spec = importlib.util.spec_from_file_location("distributed_worker", WORKER)
@@ -128,8 +128,34 @@ def test_remeasure_epochs_is_refused():
     torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         problem = worker.Hierarchical()
-        with pytest.raises(ValueError, match="DistributedPDVI does not support remeasure_epochs"):
-            worker.make(DistributedPDVI, problem, remeasure_epochs=(1,))
+        with pytest.raises(
+            ValueError, match=r"DistributedPDVI does not support AutoStepSize\(remeasure_epochs"
+        ):
+            worker.make(DistributedPDVI, problem, eta=AutoStepSize(remeasure_epochs=(1,)))
         worker.make(DistributedPDVI, problem)  # the default () is fine
     finally:
         torch_dist.destroy_process_group()
+
+
+def test_run_on_two_processes_equals_one_process_with_two_blocks_per_step(tmp_path):
+    """``DistributedPDVI.run`` (cyclic order, one owned block per rank per step) is the
+    one-process run that steps over blocks {0, 1}, then {2, 3}, each epoch."""
+    epochs = 3
+    results, _ = launch(tmp_path, extra={0: ("--run", str(epochs)), 1: ("--run", str(epochs))})
+    for code, err in results:
+        assert code == 0, err
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    problem = worker.Hierarchical()
+    pdvi = worker.make(PDVI, problem)
+    losses = []
+    for _ in range(epochs):
+        pair_losses = [
+            pdvi.step(torch.cat([problem.blocks[a], problem.blocks[b]])) for a, b in ((0, 1), (2, 3))
+        ]
+        losses.append(sum(pair_losses) / 2)
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"rank{rank}_run.pt", weights_only=False)
+        torch.testing.assert_close(saved["losses"], torch.tensor(losses), rtol=1e-10, atol=0)
+        for name in ("mu_loc", "mu_scale"):
+            torch.testing.assert_close(saved[name], pyro.param(name).detach(), rtol=0, atol=1e-10)

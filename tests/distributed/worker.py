@@ -1,6 +1,6 @@
 """One rank of the two-process PDVI tests (run by tests/distributed/test_distributed.py).
 
-``python worker.py RANK WORLD PORT OUT [--fail-at STEP] [--die-at STEP] [--resume-from STEP]``
+``python worker.py RANK WORLD PORT OUT [--fail-at STEP] [--die-at STEP] [--resume-from STEP] [--run EPOCHS]``
 
 Runs the hierarchical model below with DistributedPDVI (gloo, float64), one block
 per rank per step on the schedule SCHEDULE, and saves after every step what the
@@ -17,6 +17,8 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro.infer import TraceMeanField_ELBO
+
+from pyro_pdvi import GenericSolver
 
 NUM_DATA, NUM_BLOCKS = 40, 4
 # Step s solves SCHEDULE[s][0] on rank 0 and SCHEDULE[s][1] on rank 1 (round-robin owners).
@@ -56,7 +58,7 @@ def make(cls, problem, **kwargs):
         pyro.optim.Adam({"lr": 0.05}),
         TraceMeanField_ELBO(num_particles=8, vectorize_particles=True),
         blocks=problem.blocks,
-        inner_steps=10,
+        solver=GenericSolver(inner_steps=10),
         **kwargs,
     )
 
@@ -72,6 +74,7 @@ def main():
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--resume-from", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--run", type=int, default=0, help="DistributedPDVI.run this many cyclic epochs")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
@@ -82,6 +85,19 @@ def main():
     pyro.set_rng_seed(0)
     problem = Hierarchical()
     pdvi = make(DistributedPDVI, problem)
+    if args.run:
+        result = pdvi.run(args.run, order="cyclic", progress_bar=False, subsample_arg="idx")
+        store = pyro.get_param_store()
+        torch.save(
+            {
+                "losses": result.losses,
+                "mu_loc": store["mu_loc"].detach(),
+                "mu_scale": store["mu_scale"].detach(),
+            },
+            f"{args.out}/rank{args.rank}_run.pt",
+        )
+        torch.distributed.destroy_process_group()
+        return 0
     start = 0
     if args.resume_from >= 0:
         saved = torch.load(f"{args.out}/rank{args.rank}_step{args.resume_from}.pt", weights_only=False)

@@ -53,15 +53,11 @@ def random_point(unconstrained, layout, local_sites, indices, spread=0.3):
 def assert_kernels_agree(objective, indices, copies, rows, idx, seed):
     """The vectorized kernel's losses and gradients equal the loop's, block by block."""
     leaves = {k: v.clone().requires_grad_() for k, v in {**copies, **rows}.items()}
-    seeds = [seed] * len(indices)
-    mapped = objective.vectorized(
-        {k: leaves[k] for k in copies}, {k: leaves[k] for k in rows}, indices, seeds, (idx,), {}
-    )
+    losses = objective.bind(indices, [seed] * len(indices), (idx,), {})
+    mapped = losses({k: leaves[k] for k in copies}, {k: leaves[k] for k in rows}, vectorize=True)
     grads = dict(zip(leaves, torch.autograd.grad(mapped.sum(), list(leaves.values()))))
     looped_leaves = {k: v.clone().requires_grad_() for k, v in {**copies, **rows}.items()}
-    looped = objective.looped(
-        {k: looped_leaves[k] for k in copies}, {k: looped_leaves[k] for k in rows}, indices, seeds, (idx,), {}
-    )
+    looped = losses({k: looped_leaves[k] for k in copies}, {k: looped_leaves[k] for k in rows})
     looped_grads = dict(zip(looped_leaves, torch.autograd.grad(looped.sum(), list(looped_leaves.values()))))
     torch.testing.assert_close(mapped.detach(), looped.detach(), rtol=1e-12, atol=1e-10)
     for name in leaves:
@@ -118,9 +114,10 @@ def test_autonormal_different_randomness_gives_each_block_its_own_draw():
     copies = {k: unconstrained[k].expand(2, *unconstrained[k].shape) for k in layout.names}
     rows = {s.name: unconstrained[s.name].index_select(s.axis, indices[0]).expand(2, -1) for s in local_sites}
     same_data = torch.stack([indices[0], indices[0]])
-    objective.vectorized(copies, rows, same_data, [5, 5], (idx,), {})  # the ELBO guesses max_plate_nesting
-    first = objective.vectorized(copies, rows, same_data, [5, 5], (idx,), {})
-    again = objective.vectorized(copies, rows, same_data, [5, 5], (idx,), {})
+    losses = objective.bind(same_data, [5, 5], (idx,), {})
+    losses(copies, rows, vectorize=True)  # the ELBO's first call guesses max_plate_nesting
+    first = losses(copies, rows, vectorize=True)
+    again = losses(copies, rows, vectorize=True)
     assert torch.equal(first, again)
     assert float((first[0] - first[1]).abs()) > 1e-6
 
