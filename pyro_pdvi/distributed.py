@@ -150,6 +150,8 @@ class DistributedPDVI(PDVI):
 
     # ------------------------------------------------------------------ hooks
 
+    _shares_steps = True
+
     def _seed_generator(self) -> None:
         seed = self._broadcast(torch.randint(0, 2**62, (1,)))
         self._rng = torch.Generator().manual_seed(int(seed))

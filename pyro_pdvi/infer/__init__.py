@@ -15,8 +15,9 @@
 from .antithetic import AntitheticNoise
 from .blocks import BlockPartition
 from .consensus import ConsensusState
-from .pdvi import PDVI, RunResult
+from .pdvi import PDVI
 from .problem import BlockProblem, BlockSolution
+from .run import RunResult
 from .solvers import BatchedLBFGSResult, BlockSolver, GenericSolver, batched_lbfgs
 from .step_sizes import AutoStepSize
 

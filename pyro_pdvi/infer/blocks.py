@@ -31,13 +31,16 @@ class _DeviceBlocks(NamedTuple):
 
 
 class BlockPartition:
-    """A validated partition of ``range(num_data)`` into fixed blocks.
+    """A validated partition of ``range(N)`` into fixed blocks.
 
-    :param blocks: 1-D integer tensors (or sequences of ints); together they
-        must hold every index in ``range(N)`` exactly once, where ``N`` is the
-        total number of indices.
-    :raises ValueError: if a block is empty, not 1-D, not integer, or if the
-        blocks overlap or leave gaps; the message names the block and indices.
+    The blocks are checked when given (non-empty 1-D integer tensors, no negative or
+    repeated index, no index in two blocks) and against ``N``, the size of the data plate,
+    once the model has shown it (:meth:`check_covers`): every index of ``range(N)`` in
+    exactly one block.
+
+    :param blocks: 1-D integer tensors (or sequences of ints).
+    :raises ValueError: naming the block and the indices when a block is malformed or two
+        blocks share indices.
     """
 
     def __init__(self, blocks: Sequence[torch.Tensor | Sequence[int]]) -> None:
@@ -57,35 +60,52 @@ class BlockPartition:
                 )
             if block.dtype.is_floating_point or block.dtype == torch.bool:
                 raise ValueError(f"block {b} must hold integer indices, got dtype {block.dtype}")
-            tensors.append(block.detach().to("cpu", torch.long))
-        self.blocks: list[torch.Tensor] = tensors
-        self.sizes = torch.tensor([len(b) for b in tensors])
-        self.num_data = int(self.sizes.sum())
-
-        for b, block in enumerate(tensors):
+            block = block.detach().to("cpu", torch.long)
             if (block < 0).any():
                 raise ValueError(f"block {b} holds negative indices {_preview(block[block < 0])}")
             if block.unique().numel() != block.numel():
                 raise ValueError(f"block {b} holds a repeated index; each index must appear once")
-        largest = max(int(block.max()) for block in tensors)
-        block_of = torch.full((max(largest + 1, self.num_data),), -1, dtype=torch.long)
+            tensors.append(block)
+        self.blocks: list[torch.Tensor] = tensors
+        self.sizes = torch.tensor([len(b) for b in tensors])
+        #: N: the number of indices, until :meth:`check_covers` confirms it is the plate's size.
+        self.num_data = int(self.sizes.sum())
+        block_of = torch.full((max(int(block.max()) for block in tensors) + 1,), -1, dtype=torch.long)
         for b, block in enumerate(tensors):
             taken = block_of[block]
             if (taken >= 0).any():
                 first = int(taken[taken >= 0][0])
                 raise ValueError(
-                    f"blocks do not partition range({block_of.numel()}): blocks {first} and {b} "
-                    f"share the indices {_preview(block[taken >= 0])}"
+                    f"blocks {first} and {b} share the indices {_preview(block[taken >= 0])}; every "
+                    "datum must be in exactly one block"
                 )
             block_of[block] = b
-        missing = (block_of < 0).nonzero().reshape(-1)
-        if missing.numel():
-            raise ValueError(
-                f"blocks do not partition range({block_of.numel()}): no block holds the indices "
-                f"{_preview(missing)}"
-            )
         self.block_of = block_of
         self._on_device: dict[torch.device, _DeviceBlocks] = {}
+
+    def check_covers(self, size: int, plate_name: str) -> None:
+        """Check that the blocks partition ``range(size)``, the data plate's indices.
+
+        :param size: N, the size of the data plate.
+        :param plate_name: its name, for the message.
+        :raises ValueError: naming the indices out of range or in no block (a few, and how many).
+        """
+        where = f'the data plate "{plate_name}" (size {size})'
+        for b, block in enumerate(self.blocks):
+            outside = block[block >= size]
+            if outside.numel():
+                raise ValueError(
+                    f"block {b} holds indices outside {where}: {_preview(outside)}; indices run "
+                    f"from 0 to {size - 1}"
+                )
+        missing = torch.ones(size, dtype=torch.bool)
+        missing[torch.cat(self.blocks)] = False
+        if missing.any():
+            raise ValueError(
+                f"the blocks do not cover {where}: no block holds the indices "
+                f"{_preview(missing.nonzero().reshape(-1))}; every datum must be in exactly one block "
+                f"(e.g. blocks = list(torch.arange({size}).chunk(num_blocks)))"
+            )
 
     def __len__(self) -> int:
         return len(self.blocks)

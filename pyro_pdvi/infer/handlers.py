@@ -5,8 +5,10 @@
 * :class:`ParamOverride` feeds the primal solver's own tensors (a block's copy
   of the global parameters and its local rows) to ``pyro.param`` sites, so the
   solve never writes to the param store until the step is accepted.
+* :func:`module_parameters` does the same for networks registered with ``pyro.module``.
 * :class:`FixedNoise` holds the Monte Carlo noise fixed inside one primal
   solve, so a quasi-Newton solver sees a deterministic objective.
+* :func:`plate_entry` finds the subsample a step passes to the data plate.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+import pyro
+import pyro.primitives
 import torch
 from pyro import poutine
 from pyro.poutine.messenger import Messenger
@@ -26,10 +30,11 @@ def is_subsample_site(msg: Message) -> bool:
     return msg["type"] == "sample" and type(msg["fn"]).__name__ == "_Subsample"
 
 
-def subsample_at(fn: Callable, plate_name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The subsample of the plate ``plate_name`` when ``fn(*args, **kwargs)`` enters it: ``fn``
-    runs up to the plate and stops there, without sampling the rest (a whole trace of a
-    large block cost more than its solve). ``None`` if ``fn`` never enters the plate."""
+def plate_entry(fn: Callable, plate_name: str, args: tuple, kwargs: dict) -> Message | None:
+    """The subsample message of the plate ``plate_name`` when ``fn(*args, **kwargs)`` enters it:
+    ``fn`` runs up to the plate and stops there, without sampling the rest (a whole trace of a
+    large block cost more than its solve). Its ``value`` is the subsample the caller passed
+    (``None`` if none was: the plate would draw one). ``None`` if ``fn`` never enters the plate."""
 
     def at_plate(msg: dict) -> bool:
         return msg["name"] == plate_name and is_subsample_site(msg)
@@ -39,8 +44,65 @@ def subsample_at(fn: Callable, plate_name: str, args: tuple, kwargs: dict) -> to
             poutine.escape(fn, escape_fn=at_plate)(*args, **kwargs)
     except NonlocalExit as exit_:
         exit_.reset_stack()
-        return exit_.site["value"]
+        return exit_.site
     return None
+
+
+def networks_of(*fns: Callable) -> list[torch.nn.Module]:
+    """The ``nn.Module`` s among ``fns``, or behind them as bound methods (an autoguide, a
+    ``PyroModule`` model, a method of a model class that is a module)."""
+    found = []
+    for fn in fns:
+        owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            found.append(owner)
+    return found
+
+
+@contextlib.contextmanager
+def module_parameters(values: dict[str, torch.Tensor], networks: list[torch.nn.Module]) -> Iterator[None]:
+    """Inside the ``with`` block, networks compute with the given values of their params (PDVI's
+    block copy, keyed by param-store name) instead of their own ``Parameter`` s, which are put
+    back on exit.
+
+    A network's forward pass reads its own attributes, which :class:`ParamOverride` cannot
+    reach: ``pyro.module(name, net)`` registers each parameter with ``pyro.param`` but ignores
+    the value it returns, and so does a ``PyroModule`` for an ``nn.Parameter`` attribute (as
+    ``AutoMultivariateNormal.loc``). So every module of ``networks`` whose ``Parameter`` is a
+    param-store param in ``values`` has it swapped, and ``pyro.module`` (as ``pyro.module`` and
+    ``pyro.primitives.module``) is wrapped to swap the networks it registers.
+
+    :param values: param-store name -> value.
+    :param networks: modules to look into (e.g. :func:`networks_of` the model and guide).
+    """
+    store = pyro.get_param_store()
+    by_identity = {id(p): name for name, p in store.named_parameters() if name in values}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+
+    def swap(network: torch.nn.Module) -> None:
+        for module in network.modules():
+            for attribute, parameter in list(module._parameters.items()):
+                name = by_identity.get(id(parameter))
+                if name is not None:
+                    swapped.append((module._parameters, attribute, parameter))
+                    module._parameters[attribute] = values[name]
+
+    original = pyro.primitives.module
+
+    def module(name: str, nn_module: torch.nn.Module, update_module_params: bool = False) -> torch.nn.Module:
+        result = original(name, nn_module, update_module_params)
+        swap(nn_module)
+        return result
+
+    pyro.primitives.module = pyro.module = module
+    try:
+        for network in networks:
+            swap(network)
+        yield
+    finally:
+        pyro.primitives.module = pyro.module = original
+        for parameters, attribute, parameter in reversed(swapped):
+            parameters[attribute] = parameter
 
 
 class BlockSubsample(Messenger):

@@ -30,7 +30,7 @@ from pyro.infer import ELBO
 
 from ..errors import VectorizationError
 from ._vmap import vmap_compatible_pyro
-from .handlers import BlockSubsample, FixedNoise, ParamOverride
+from .handlers import BlockSubsample, FixedNoise, ParamOverride, module_parameters, networks_of
 from .sites import DataPlate, GlobalLayout, LocalSite
 
 LossFn = Callable[..., torch.Tensor]
@@ -45,6 +45,12 @@ def loss_function(loss: Any) -> LossFn:
 
     :raises ValueError: for an ELBO without ``differentiable_loss`` or anything else.
     """
+    if type(loss).__name__.startswith("Jit") and isinstance(loss, ELBO):
+        raise ValueError(
+            f"PDVI cannot use {type(loss).__name__}: it evaluates the loss at its own values of the "
+            "params (each block's copy), which a torch.jit-compiled ELBO bakes in as constants. Use "
+            f"{type(loss).__name__[3:]}, the same ELBO without JIT, with the same arguments."
+        )
     if hasattr(loss, "differentiable_loss"):
         return loss.differentiable_loss
     if isinstance(loss, ELBO):
@@ -92,6 +98,7 @@ class BlockObjective:
         self.site_constraints = {s.name: s.constraint for s in layout.sites}
         self.site_constraints.update({s.name: s.constraint for s in local_sites})
         self.row_names = frozenset(s.name for s in local_sites)
+        self.networks = networks_of(model, guide)
 
     def bind(self, indices: torch.Tensor, seeds: Sequence[int], args: tuple, kwargs: dict) -> BlockLosses:
         """The objective of the blocks with data ``indices`` (``(m, s)``) at the noise of
@@ -104,12 +111,15 @@ class BlockObjective:
         """``f_b`` of one block: ``copies`` shaped like the global sites, ``rows`` like the
         block's rows of the local sites, ``indices`` of shape ``(s,)``."""
 
+        values = {**copies, **rows}
+
         def run_blocked(fn: Callable) -> Callable:
             # One handler instance per function: a messenger may not be entered twice.
-            fn = ParamOverride({**copies, **rows}, self.site_constraints, self.row_names)(fn)
+            fn = ParamOverride(values, self.site_constraints, self.row_names)(fn)
             return BlockSubsample(self.plate.name, indices)(fn)
 
-        loss = self.loss_fn(run_blocked(self.model), run_blocked(self.guide), *args, **kwargs)
+        with module_parameters(copies, self.networks):
+            loss = self.loss_fn(run_blocked(self.model), run_blocked(self.guide), *args, **kwargs)
         return loss * (indices.shape[-1] / self.plate.size)
 
     def losses_and_gradients(

@@ -23,25 +23,24 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import pyro
 import torch
 from pyro.infer import ELBO
 from pyro.optim import PyroOptim
-from tqdm.auto import tqdm
 
-from ..checks import check_choice, check_non_negative, check_positive_int
+from ..checks import check_choice, check_non_negative
 from ..errors import NonFiniteStepError
 from .antithetic import antithetic_loss, check_antithetic_loss, has_particle_pairs
 from .blocks import BlockPartition
 from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate, find_non_finite
-from .handlers import subsample_at
+from .handlers import plate_entry
 from .objective import BlockObjective, loss_function
 from .params import ParamStoreView
 from .problem import BlockProblem
-from .sites import GlobalLayout, find_sites
+from .run import RunResult, run_epochs
+from .sites import GlobalLayout, find_sites, missing_subsample_message
 from .solvers import BlockSolver, GenericSolver
 from .step_sizes import AutoStepSize, StepSizes, check_eta, resolve_groups
-
-ORDERS = ("shuffle", "cyclic")
 
 
 class StepSolution(NamedTuple):
@@ -58,16 +57,6 @@ class StepSolution(NamedTuple):
     copies: torch.Tensor
     losses: torch.Tensor
     parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-class RunResult(NamedTuple):
-    """What :meth:`PDVI.run` returns.
-
-    :param losses: per epoch, the mean of its steps' losses (each an estimate of the full
-        loss, as :meth:`PDVI.step` returns it), shape ``(num_epochs,)``.
-    """
-
-    losses: torch.Tensor
 
 
 class PDVI:
@@ -144,8 +133,12 @@ class PDVI:
     ) -> None:
         if not isinstance(optim, PyroOptim):
             raise ValueError(
-                f"optim must be a pyro.optim.PyroOptim such as pyro.optim.Adam({{'lr': 0.01}}), "
-                f"got {type(optim).__name__}"
+                "optim must be a pyro.optim.PyroOptim such as pyro.optim.Adam({'lr': 0.01}), got "
+                + (
+                    f"the class {optim.__module__}.{optim.__name__}"
+                    if isinstance(optim, type)
+                    else f"a {type(optim).__name__}"
+                )
             )
         loss_fn = loss_function(loss)
         check_choice(global_update, ("auto", *GLOBAL_UPDATES), "global_update")
@@ -191,13 +184,28 @@ class PDVI:
 
     # ------------------------------------------------------------------ set-up
 
-    def _setup(self, args: tuple, kwargs: dict) -> None:
-        """Find the data plate and the sites, lay out the state, measure ``"auto"`` steps."""
+    def _setup(self, args: tuple, kwargs: dict, check_subsample: bool) -> None:
+        """Find the data plate and the sites, lay out the state, measure ``"auto"`` steps. If
+        anything fails, the params this created are removed again and the PDVI stays unset."""
+        store = pyro.get_param_store()
+        existing = set(store.keys())
+        try:
+            self._set_up(args, kwargs, check_subsample)
+        except BaseException:
+            self._state = None
+            for name in set(store.keys()) - existing:
+                del store[name]
+            raise
+
+    def _set_up(self, args: tuple, kwargs: dict, check_subsample: bool) -> None:
         if self._rng is None:
             self._seed_generator()
         found = find_sites(self.model, self.guide, args, kwargs, self.partition.num_data, self.plate_name)
         self.plate, self.local_sites, global_sites = found.plate, found.local_sites, found.global_sites
         self._plate_in_guide = found.plate_in_guide
+        self.partition.check_covers(self.plate.size, self.plate.name)
+        if check_subsample:
+            self._step_subsample(args, kwargs)
         self._noisy_solve = isinstance(self.solver, GenericSolver) and bool(found.monte_carlo_sites)
         if self._noisy_solve and getattr(self.loss, "num_particles", 2) == 1:
             warnings.warn(
@@ -255,7 +263,7 @@ class PDVI:
             param, dual or copy has changed.
         """
         if self._state is None:
-            self._setup(args, kwargs)
+            self._setup(args, kwargs, check_subsample=True)
         return self._step(self.partition.blocks_in(self._step_subsample(args, kwargs)), args, kwargs)
 
     def _step(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> float:
@@ -332,16 +340,21 @@ class PDVI:
 
     def _step_subsample(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """The data plate's subsample in this call, from the guide (or, if the plate is only in
-        the model, the model) run up to the plate."""
-        fn = self.guide if self._plate_in_guide else self.model
-        subsample = subsample_at(fn, self.plate.name, args, kwargs)
-        if subsample is None:
-            where = "guide" if self._plate_in_guide else "model"
+        the model, the model) run up to the plate.
+
+        :raises ValueError: when the plate gets no subsample (a full plate, or one that draws
+            its own minibatch), saying what to write instead.
+        """
+        where = "guide" if self._plate_in_guide else "model"
+        site = plate_entry(self.guide if self._plate_in_guide else self.model, self.plate.name, args, kwargs)
+        if site is None:
             raise ValueError(
                 f"this step's {where} never entered the data plate {self.plate.name!r}, so PDVI "
                 "cannot tell which block it is; pass the block's indices as the plate's subsample"
             )
-        return subsample
+        if site["value"] is None:
+            raise ValueError(missing_subsample_message(site, where, self.guide))
+        return site["value"]
 
     def _rule_for_step(self) -> str:
         """The global-update rule of the coming step (see ``global_update``)."""
@@ -349,6 +362,9 @@ class PDVI:
             return self.global_update
         warm = self._block_visits < self.warmup_epochs * len(self.partition)
         return "paper" if warm or not self._noisy_solve else "consensus"
+
+    #: Whether each step is shared with other processes (which must then act in step).
+    _shares_steps = False
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the processes that share a step: the identity in one process
@@ -427,6 +443,7 @@ class PDVI:
         progress_bar: bool = True,
         callback: Callable[[int, float], bool | None] | None = None,
         subsample_arg: str | None = None,
+        check_convergence: bool = True,
         **kwargs: Any,
     ) -> RunResult:
         """Run ``num_epochs`` epochs, each one step per block (as NumPyro's ``SVI.run`` runs steps).
@@ -444,30 +461,17 @@ class PDVI:
         :param callback: called after every epoch as ``callback(epoch, loss)``; if it
             returns ``True`` the run stops there.
         :param subsample_arg: the keyword argument that takes the step's block indices.
+        :param check_convergence: record the full gradient norm ``||grad_lambda f||`` (after
+            every epoch when that costs at most a quarter of an epoch, else after the first,
+            middle and last) and warn at the end if the run has stalled away from the optimum
+            (:mod:`~pyro_pdvi.infer.convergence`). Each measurement costs about one SVI epoch.
         :param kwargs: keyword arguments of model and guide.
-        :returns: the per-epoch losses.
+        :returns: the per-epoch losses and gradient norms.
         :rtype: RunResult
         """
-        check_positive_int(num_epochs, "num_epochs")
-        check_choice(order, ORDERS, "order")
-        first = self._epoch_blocks()[0]
-        if self._state is None:
-            self._setup(args, self._with_block(kwargs, first, subsample_arg))
-        losses = []
-        bar = tqdm(range(1, num_epochs + 1), desc="PDVI", unit="epoch", disable=not progress_bar)
-        for epoch in bar:
-            blocks = self._epoch_blocks()
-            if order == "shuffle":
-                blocks = [blocks[i] for i in torch.randperm(len(blocks), generator=self._rng).tolist()]
-            total = 0.0
-            for b in blocks:
-                block_kwargs = self._with_block(kwargs, b, subsample_arg)
-                total += self._step(torch.tensor([b]), args, block_kwargs)
-            losses.append(total / len(blocks))
-            bar.set_postfix(loss=f"{losses[-1]:.4g}")
-            if callback is not None and callback(epoch, losses[-1]) is True:
-                break
-        return RunResult(torch.tensor(losses))
+        return run_epochs(
+            self, num_epochs, args, kwargs, order, progress_bar, callback, subsample_arg, check_convergence
+        )
 
     def _epoch_blocks(self) -> list[int]:
         """The blocks this process steps on in an epoch."""
@@ -570,15 +574,18 @@ class PDVI:
             raise RuntimeError("call step() at least once before global_gradient_norm()")
         return float(self._gradient_sum(self._epoch_blocks(), args, kwargs).norm())
 
-    def _gradient_sum(self, blocks: list[int], args: tuple, kwargs: dict) -> torch.Tensor:
+    def _gradient_sum(
+        self, blocks: list[int], args: tuple, kwargs: dict, subsample_arg: str | None = None
+    ) -> torch.Tensor:
         """``sum_b grad_lambda f_b(phi_b, lambda_0)`` over ``blocks``."""
         total = torch.zeros_like(self._state.consensus)
         for b in blocks:
+            block_kwargs = self._with_block(kwargs, b, subsample_arg)
             indices = self.partition.stacked(torch.tensor([b]), self.device)
             seed = int(torch.randint(0, 2**62, ()))
             point = self._state.consensus.detach().requires_grad_()
             copies = {k: v.unsqueeze(0) for k, v in self.layout.unflatten(point).items()}
-            f = self._objective.bind(indices, [seed], args, kwargs)(copies, self._params.rows(indices))
+            f = self._objective.bind(indices, [seed], args, block_kwargs)(copies, self._params.rows(indices))
             total += torch.autograd.grad(f.sum(), point)[0]
         return total
 

@@ -21,6 +21,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro import poutine
+from pyro.infer.autoguide import AutoContinuous, AutoGuide, AutoGuideList
 from pyro.poutine.trace_struct import Trace
 from torch.distributions import constraints
 
@@ -111,10 +112,11 @@ class GlobalLayout:
 
 
 def find_data_plate(traces: list[Trace], num_data: int, plate_name: str | None) -> DataPlate:
-    """Find the subsampled plate over the ``num_data`` blocked data.
+    """Find the subsampled plate over the blocked data: the one named ``plate_name``, else the
+    one of size ``num_data`` (the number of indices the blocks hold), else the only one.
 
     :param traces: guide and model traces of one step.
-    :param num_data: N, the number of indices the blocks cover.
+    :param num_data: the number of indices the blocks hold.
     :param plate_name: the plate's name if the user named it, else ``None``.
     :raises ValueError: when no plate, or more than one, could be the data plate.
     """
@@ -129,29 +131,21 @@ def find_data_plate(traces: list[Trace], num_data: int, plate_name: str | None) 
                 f"plate_name={plate_name!r} names no pyro.plate in the model or guide; "
                 f"plates found: {sorted(plates) or 'none'}"
             )
-        candidates = [plate_name]
-    else:
-        candidates = [name for name, size in plates.items() if size == num_data]
+        return DataPlate(plate_name, plates[plate_name])
+    candidates = [name for name, size in plates.items() if size == num_data] or list(plates)
     if not candidates:
         raise ValueError(
-            f"PDVI was given blocks over {num_data} data but the model and guide have no "
-            f"pyro.plate of size {num_data} (plates found: "
-            f"{ {n: s for n, s in plates.items()} or 'none' }). Wrap the per-datum sites of "
-            f'both model and guide in `with pyro.plate("data", {num_data}, subsample=idx) as '
-            "ind:` and index the data with `ind`."
+            f"PDVI was given blocks over {num_data} data but the model and guide have no pyro.plate. "
+            f'Wrap the per-datum sites of both model and guide in `with pyro.plate("data", N, '
+            "subsample=idx) as ind:` and index the data with `ind`."
         )
     if len(candidates) > 1:
         raise ValueError(
-            f"several plates have size {num_data}: {sorted(candidates)}; pass plate_name= "
-            "to PDVI to say which one the blocks partition"
+            f"the model and guide have several plates, {plates}, and none of size {num_data} (the "
+            "number of indices in the blocks); pass plate_name= to PDVI to say which one the blocks "
+            "partition"
         )
-    name = candidates[0]
-    if plates[name] != num_data:
-        raise ValueError(
-            f"plate {name!r} has size {plates[name]} but the blocks cover {num_data} "
-            "indices; the blocks must partition range(size) of the data plate"
-        )
-    return DataPlate(name, num_data)
+    return DataPlate(candidates[0], plates[candidates[0]])
 
 
 def split_param_sites(
@@ -247,9 +241,85 @@ def find_sites(
     plate = find_data_plate(traces, num_data, plate_name)
     store = pyro.get_param_store()
     unconstrained = dict(store.named_parameters())
+    check_local_latents_stay_local(guide, model_trace, plate)
     global_sites, local_sites = split_param_sites(
         traces, plate, store.get_state()["constraints"], unconstrained
     )
     return FoundSites(
         plate, global_sites, local_sites, plate.name in guide_trace.nodes, monte_carlo_sites(guide_trace)
     )
+
+
+def local_latents(model_trace: Trace, plate: DataPlate) -> list[str]:
+    """The model's latent sample sites inside the data plate: one value per datum."""
+    return [
+        name
+        for name, site in model_trace.nodes.items()
+        if site["type"] == "sample"
+        and not site["is_observed"]
+        and not is_subsample_site(site)
+        and any(frame.name == plate.name for frame in site["cond_indep_stack"])
+    ]
+
+
+def check_local_latents_stay_local(guide: Callable, model_trace: Trace, plate: DataPlate) -> None:
+    """Refuse an autoguide that folds per-datum latents into one global vector.
+
+    ``AutoMultivariateNormal``, ``AutoLowRankMultivariateNormal``, ``AutoDiagonalNormal`` and
+    the other :class:`~pyro.infer.autoguide.AutoContinuous` guides put every latent site into
+    one vector with global params: a per-datum site then has no rows of its own, the plate
+    structure that PD-VI's blocks rest on is gone, and every block's solve would move every
+    datum's parameters.
+
+    :raises ValueError: naming the guide, the folded sites and the fix.
+    """
+    locals_ = local_latents(model_trace, plate)
+    parts = list(guide) if isinstance(guide, AutoGuideList) else [guide]
+    for part in parts:
+        if not isinstance(part, AutoContinuous):
+            continue
+        folded = [name for name in locals_ if name in part._unconstrained_shapes]
+        if folded:
+            kind = type(part).__name__
+            global_names = [name for name in part._unconstrained_shapes if name not in folded]
+            raise ValueError(
+                f"{kind} folds the per-datum latent sites {folded} (inside the data plate "
+                f'"{plate.name}") into one vector with global params, so they have no per-block '
+                "params for PD-VI to solve. Use AutoNormal(model, create_plates=...) for them; to "
+                f"keep {kind}'s correlations over the global sites {global_names}, append "
+                f"{kind}(poutine.block(model, expose={global_names})) and AutoNormal(poutine.block("
+                f"model, hide={global_names})) to an AutoGuideList(model, create_plates=lambda *a, "
+                f'**k: pyro.plate("{plate.name}", {plate.size}, subsample=<the step\'s indices>))'
+            )
+
+
+def missing_subsample_message(site: dict, where: str, guide: Callable) -> str:
+    """Why a step's data plate has no subsample, and what to write instead.
+
+    :param site: the plate's subsample message (from :func:`~pyro_pdvi.infer.handlers.plate_entry`).
+    :param where: ``"guide"`` or ``"model"``.
+    :param guide: the guide, to name an autoguide's ``create_plates``.
+    """
+    name, size, subsample_size = site["name"], site["fn"].size, site["fn"].subsample_size
+    fix = (
+        f'write it `pyro.plate("{name}", {size}, subsample=idx) as ind`, index the data with `ind`, '
+        "and pass one block's indices each step (`pdvi.step(..., blocks[b])`); or call "
+        "`pdvi.run(num_epochs, ...)`, which sets each block itself"
+    )
+    if subsample_size is not None and subsample_size < size:
+        message = (
+            f'the {where}\'s plate "{name}" draws its own random minibatch (subsample_size='
+            f"{subsample_size}), but PD-VI steps on fixed blocks, each with its own dual: {fix}"
+        )
+    else:
+        message = (
+            f'the {where}\'s plate "{name}" got no subsample in this step (it would cover all '
+            f"{size} data), so PDVI cannot tell which block the step is: {fix}"
+        )
+    if where == "guide" and isinstance(guide, AutoGuide):
+        message += (
+            f". {type(guide).__name__} built without create_plates makes its plates so: build it with "
+            f'create_plates=lambda *args, **kwargs: pyro.plate("{name}", {size}, subsample=<the '
+            "step's indices>)"
+        )
+    return message
