@@ -135,9 +135,9 @@ def find_data_plate(traces: list[Trace], num_data: int, plate_name: str | None) 
     candidates = [name for name, size in plates.items() if size == num_data] or list(plates)
     if not candidates:
         raise ValueError(
-            f"PDVI was given blocks over {num_data} data but the model and guide have no pyro.plate. "
-            f'Wrap the per-datum sites of both model and guide in `with pyro.plate("data", N, '
-            "subsample=idx) as ind:` and index the data with `ind`."
+            f"PDVI was given blocks over {num_data} data but the model and guide have no subsampled "
+            "pyro.plate. Wrap the per-datum sites of both model and guide in "
+            f'`with pyro.plate("data", {num_data}, subsample=idx) as ind:` and index the data with `ind`.'
         )
     if len(candidates) > 1:
         raise ValueError(

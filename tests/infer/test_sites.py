@@ -75,8 +75,17 @@ def test_data_plate_errors_name_what_was_found():
     found = traces(problem.model, problem.guide, problem.blocks[0])
     with pytest.raises(ValueError, match=r"plate_name='obs' names no pyro.plate.*plates found: \['data'\]"):
         find_data_plate(found, 12, "obs")
-    with pytest.raises(ValueError, match=r"no pyro.plate of size 13"):
-        find_data_plate(found, 13, None)
+    # The only plate is the data plate, whatever the blocks hold (their cover is checked against it).
+    assert find_data_plate(found, 13, None) == DataPlate("data", 12)
+
+    def two_plates(idx):
+        with pyro.plate("a", 5, subsample=idx[:2]), pyro.plate("b", 6, subsample=idx[:3], dim=-2):
+            pass
+
+    with pytest.raises(
+        ValueError, match=r"several plates, \{'a': 5, 'b': 6\}, and none of size 12.*plate_name="
+    ):
+        find_data_plate([poutine.trace(two_plates).get_trace(torch.arange(4))], 12, None)
 
 
 def test_monte_carlo_sites_leave_out_delta_and_enumerated_sites():

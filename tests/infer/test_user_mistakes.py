@@ -316,22 +316,35 @@ def test_nested_plates_with_a_second_batch_dimension_work():
 
 
 def test_poutine_scale_on_the_likelihood_is_kept():
-    """A tempered likelihood (poutine.scale 0.5): the exact mean of q(mu) is that of the tempered model."""
-    problem = Hierarchical(num_data=N, num_blocks=4, tau=1e-3)  # theta_i = mu, nearly
+    """A tempered likelihood (poutine.scale 0.5 on x only): MAP by AutoDelta against the linear
+    solve of the tempered joint, mu^2 / (2 s0^2) + sum (theta_i - mu)^2 / (2 tau^2)
+    + 0.5 sum (x_i - theta_i)^2 / (2 sigma^2)."""
+    problem = Hierarchical(num_data=N, num_blocks=4)
+    s0, tau, sigma = problem.s0, problem.tau, problem.sigma
 
     def model(idx):
-        with poutine.scale(scale=0.5):
-            problem.model(idx)
+        mu = pyro.sample("mu", dist.Normal(0.0, s0))
+        with pyro.plate("data", N, subsample=idx) as ind:
+            theta = pyro.sample("theta", dist.Normal(mu, tau))
+            with poutine.scale(scale=0.5):
+                pyro.sample("x", dist.Normal(theta, sigma), obs=problem.x[ind])
 
     guide = AutoDelta(model, create_plates=lambda idx: pyro.plate("data", N, subsample=idx))
-    pdvi = make(model, guide, loss=Trace_ELBO(), eta=0.01, solver=GenericSolver(inner_steps=30))
-    for _ in range(150):
+    pdvi = make(model, guide, loss=Trace_ELBO(), solver=GenericSolver(inner_steps=30))
+    # Normal equations in (mu, theta).
+    precision = torch.zeros(N + 1, N + 1)
+    precision[0, 0] = 1 / s0**2 + N / tau**2
+    precision[0, 1:] = precision[1:, 0] = -1 / tau**2
+    precision[1:, 1:] = torch.eye(N) * (1 / tau**2 + 0.5 / sigma**2)
+    rhs = torch.cat([torch.zeros(1), 0.5 * problem.x / sigma**2])
+    exact = torch.linalg.solve(precision, rhs)
+    for _ in range(80):
         for block in problem.blocks:
             pdvi.step(block)
-    # MAP of the tempered model with theta_i pinned to mu: weights halve the prior and the data alike.
-    var = problem.tau**2 + problem.sigma**2
-    exact = float((problem.x.sum() / var) / (1 / problem.s0**2 + N / var))
-    assert abs(float(pyro.param("AutoDelta.mu")) - exact) < 1e-3
+        if abs(float(pyro.param("AutoDelta.mu")) - float(exact[0])) < 1e-8:
+            break
+    assert abs(float(pyro.param("AutoDelta.mu")) - float(exact[0])) < 1e-6
+    torch.testing.assert_close(pyro.param("AutoDelta.theta").detach(), exact[1:], rtol=0, atol=1e-6)
 
 
 def test_config_enumerate_on_a_guide_works_with_traceenum():
