@@ -30,17 +30,18 @@ from pyro.optim import PyroOptim
 
 from ..checks import check_choice, check_non_negative
 from ..errors import NonFiniteStepError
-from .antithetic import antithetic_loss, check_antithetic_loss, has_particle_pairs
 from .blocks import BlockPartition
 from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate, find_non_finite
+from .fisher import fisher_diagonal
 from .handlers import plate_entry
 from .objective import BlockObjective, loss_function
 from .params import ParamStoreView
+from .particles import check_particles, solve_loss
 from .problem import BlockProblem
 from .run import RunResult, run_epochs
 from .sites import GlobalLayout, find_sites, missing_subsample_message
 from .solvers import BlockSolver, GenericSolver
-from .step_sizes import AutoStepSize, StepSizes, check_eta, resolve_groups
+from .step_sizes import AutoStepSize, StepSizes, check_eta, diagonal_curvature, resolve_groups
 
 
 class StepSolution(NamedTuple):
@@ -108,10 +109,14 @@ class PDVI:
         the consensus rule after (``docs/benchmarks.md``, sections 1 and 2).
     :param warmup_epochs: epochs (block visits / n) of the paper's rule before ``"auto"``
         switches to the consensus rule for a Monte Carlo solve.
+    :param particles: Monte Carlo particles of a block solve (:mod:`~pyro_pdvi.infer.particles`):
+        ``"auto"`` (default) solves with a copy of the user's ELBO that draws 16 vectorized
+        particles (or the ELBO's own, if more), whatever the user's ``num_particles``; an even
+        number sets them; ``None`` solves with the user's ELBO as it is.
     :param antithetic: draw every Gaussian guide site's noise in antithetic pairs over the
-        ELBO's vectorized particles (:mod:`~pyro_pdvi.infer.antithetic`), which removes the
+        solve's vectorized particles (:mod:`~pyro_pdvi.infer.antithetic`), which removes the
         term linear in the noise from a fixed-noise block solve. ``"auto"`` (default): on
-        when the loss vectorizes an even number of particles.
+        when the solve's ELBO vectorizes an even number of particles.
     :param plate_name: name of the data plate, if several plates have size N.
     """
 
@@ -128,6 +133,7 @@ class PDVI:
         solver: BlockSolver | None = None,
         global_update: str = "auto",
         warmup_epochs: float = 5.0,
+        particles: int | str | None = "auto",
         antithetic: bool | str = "auto",
         plate_name: str | None = None,
     ) -> None:
@@ -140,7 +146,7 @@ class PDVI:
                     else f"a {type(optim).__name__}"
                 )
             )
-        loss_fn = loss_function(loss)
+        loss_function(loss)  # checks it
         check_choice(global_update, ("auto", *GLOBAL_UPDATES), "global_update")
         if solver is None:
             solver = GenericSolver()
@@ -149,14 +155,9 @@ class PDVI:
                 f"solver must have a method solve(problem: BlockProblem) -> BlockSolution, got "
                 f"{type(solver).__name__}; use e.g. GenericSolver() or GMMBlockSolver(data, prior)"
             )
-        if antithetic == "auto":
-            antithetic = has_particle_pairs(loss)
-        elif not isinstance(antithetic, bool):
+        if antithetic != "auto" and not isinstance(antithetic, bool):
             raise ValueError(f'Invalid antithetic: {antithetic!r}; use True, False or "auto"')
-        elif antithetic:
-            check_antithetic_loss(loss)
-        if antithetic:
-            loss_fn = antithetic_loss(loss_fn)
+        self.particles = check_particles(particles)
 
         self.model = model
         self.guide = guide
@@ -173,8 +174,8 @@ class PDVI:
         self.plate_name = plate_name
         self.num_steps = 0
         self.diagnostics: dict[str, Any] = {}
-        self._loss_fn = loss_fn
         self._block_visits = 0
+        self._bounded_blocks: set[int] = set()
         self._state: ConsensusState | None = None
         self._pending_state: dict | None = None
         # PDVI's own randomness (noise seeds, curvature probes, run's block order) comes from
@@ -184,60 +185,87 @@ class PDVI:
 
     # ------------------------------------------------------------------ set-up
 
-    def _setup(self, args: tuple, kwargs: dict, check_subsample: bool) -> None:
+    def _setup(self, args: tuple, kwargs: dict, first_blocks: torch.Tensor | None = None) -> None:
         """Find the data plate and the sites, lay out the state, measure ``"auto"`` steps. If
         anything fails, the params this created are removed again and the PDVI stays unset."""
         store = pyro.get_param_store()
         existing = set(store.keys())
         try:
-            self._set_up(args, kwargs, check_subsample)
+            self._set_up(args, kwargs, first_blocks)
         except BaseException:
             self._state = None
             for name in set(store.keys()) - existing:
                 del store[name]
             raise
 
-    def _set_up(self, args: tuple, kwargs: dict, check_subsample: bool) -> None:
+    def _set_up(self, args: tuple, kwargs: dict, first_blocks: torch.Tensor | None) -> None:
+        """:meth:`_setup`; ``first_blocks``: the first step's blocks, ``None`` to read them from
+        the data plate's subsample in ``args, kwargs`` (which checks it)."""
         if self._rng is None:
             self._seed_generator()
         found = find_sites(self.model, self.guide, args, kwargs, self.partition.num_data, self.plate_name)
         self.plate, self.local_sites, global_sites = found.plate, found.local_sites, found.global_sites
         self._plate_in_guide = found.plate_in_guide
         self.partition.check_covers(self.plate.size, self.plate.name)
-        if check_subsample:
-            self._step_subsample(args, kwargs)
+        if first_blocks is None:
+            first_blocks = self.partition.blocks_in(self._step_subsample(args, kwargs))
         self._noisy_solve = isinstance(self.solver, GenericSolver) and bool(found.monte_carlo_sites)
-        if self._noisy_solve and getattr(self.loss, "num_particles", 2) == 1:
-            warnings.warn(
-                f"PDVI holds the Monte Carlo noise fixed within each primal solve, and the loss draws "
-                f"one particle for the sampled guide sites {found.monte_carlo_sites}: the solve then "
-                "minimises a one-sample surrogate whose optimum can be far off (scales drift). "
-                "Use e.g. TraceMeanField_ELBO(num_particles=16, vectorize_particles=True).",
-                stacklevel=4,
-            )
+        self._solve_loss = solve_loss(self.loss, self.particles, self.antithetic, self._noisy_solve)
         self.layout = GlobalLayout(global_sites)
         self._params = ParamStoreView(self.layout, self.local_sites)
         self._objective = BlockObjective(
-            self.model, self.guide, self._loss_fn, self.plate, self.layout, self.local_sites
+            self.model, self.guide, self._solve_loss.fn, self.plate, self.layout, self.local_sites
         )
         groups = resolve_groups(self.groups, self.layout.names, self.eta)
-        self._step_sizes = StepSizes(groups, self.layout, self.auto_step_size)
+        self._step_sizes = StepSizes(groups, self.layout, self.auto_step_size, len(self.partition))
         consensus = self._params.consensus()
         self.device = consensus.device
         self._state = ConsensusState(consensus, len(self.partition), torch.ones_like(consensus))
         # One evaluation before any solve: an ELBO's lazy set-up (Pyro guesses
         # max_plate_nesting by tracing, which draws) must not shift the fixed noise of
         # the first solve, nor differ between a fresh and a resumed run.
-        first = self.partition.stacked(torch.tensor([0]), self.device)
-        self._objective.bind(first, [0], args, kwargs)(self._copies(consensus, 1), self._params.rows(first))
+        self._warm_up(args, kwargs)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
             return
-        if bool(self._step_sizes.measured_groups.any()):
+        if self._step_sizes.natural:
+            self._step_sizes.set_fisher(self._measure_fisher(first_blocks, args, kwargs))
+        if self._step_sizes.needs_curvature():
             self._step_sizes.set_curvatures(self._measure_curvatures(args, kwargs))
         self._state.set_step_sizes(self._step_sizes.per_coordinate(consensus))
         self._after_setup()
+
+    def _warm_up(self, args: tuple, kwargs: dict) -> None:
+        """One evaluation of the first block before any solve: an ELBO's lazy set-up (Pyro
+        guesses max_plate_nesting by tracing, which draws) must not shift the fixed noise of the
+        first solve, nor differ between a fresh and a resumed run. If the model cannot take the
+        particles PDVI chose, the solves use the user's ELBO as it is."""
+        first = self.partition.stacked(torch.tensor([0]), self.device)
+        rows = self._params.rows(first)
+        try:
+            self._objective.bind(first, [0], args, kwargs)(self._copies(self._state.consensus, 1), rows)
+        except Exception as error:
+            if not self._solve_loss.owned:
+                raise
+            self._solve_loss = solve_loss(self.loss, None, self.antithetic, self._noisy_solve)
+            self._objective.loss_fn = self._solve_loss.fn
+            warnings.warn(
+                f"PDVI could not vectorize the model over {self._solve_loss.loss.num_particles} "
+                f"particles for its block solves ({type(error).__name__}: {error}); they use the "
+                "loss as given. Write the model so that it broadcasts over a leading particle "
+                "dimension (see Pyro's vectorize_particles), or pass particles=None.",
+                stacklevel=5,
+            )
+            self._objective.bind(first, [0], args, kwargs)(self._copies(self._state.consensus, 1), rows)
+        if self._noisy_solve and getattr(self._solve_loss.loss, "num_particles", 2) == 1:
+            warnings.warn(
+                "PDVI holds the Monte Carlo noise fixed within each primal solve, and the solve's loss "
+                "draws one particle: it then minimises a one-sample surrogate whose optimum can be far "
+                "off (scales drift). Use particles='auto' or a Trace_ELBO, TraceMeanField_ELBO or "
+                "TraceEnum_ELBO, which PDVI can give more particles.",
+                stacklevel=5,
+            )
 
     def _copies(self, flat: torch.Tensor, num_blocks: int, requires_grad: bool = True) -> dict:
         """``lambda`` (a flat vector) as every global site's value for ``num_blocks`` blocks."""
@@ -263,16 +291,76 @@ class PDVI:
             param, dual or copy has changed.
         """
         if self._state is None:
-            self._setup(args, kwargs, check_subsample=True)
+            self._setup(args, kwargs)
         return self._step(self.partition.blocks_in(self._step_subsample(args, kwargs)), args, kwargs)
 
     def _step(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> float:
         """The algorithm's loop for the step's blocks: solve, move duals and consensus, write."""
+        if self._step_sizes.natural:
+            self._bound_step_sizes(block_ids, args, kwargs)
+        epoch = self._block_visits // len(self.partition)
         solved = self._solve_everywhere(block_ids, args, kwargs)
         loss = self._commit(solved)
+        if self._step_sizes.natural and self._block_visits // len(self.partition) > epoch:
+            if self._step_sizes.set_fisher(self._measure_fisher(block_ids, args, kwargs)):
+                self._apply_step_sizes()
         if self._step_sizes.remeasure_due(self._block_visits, len(self.partition)):
             self._remeasure(args, kwargs)
         return loss
+
+    def _measure_fisher(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The guide's Fisher diagonal at ``lambda_0`` (:mod:`~pyro_pdvi.infer.fisher`), on the
+        given blocks (those of the step, whose arguments these are)."""
+        auto = self.auto_step_size
+        blocks = [self.partition.block(b, self.device) for b in block_ids.tolist()[: auto.fisher_blocks]]
+        return fisher_diagonal(
+            self.guide,
+            self.plate,
+            self.layout,
+            self._state.consensus,
+            blocks,
+            args,
+            kwargs,
+            auto.fisher_samples,
+            self._draw_seed(),
+        )
+
+    def _bound_step_sizes(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        """Before a block's first solve, measure its diagonal curvature at ``lambda_0`` (natural
+        rule: the bound ``eta_j <= 2 / max_b h_bj`` over the blocks seen so far)."""
+        new = [b for b in block_ids.tolist() if b not in self._bounded_blocks]
+        if not new:
+            return
+        grew = False
+        for b in new:
+            curvature = diagonal_curvature(
+                self._block_gradient(b, args, kwargs),
+                self._state.consensus,
+                self.auto_step_size.curvature_probes,
+            )
+            grew |= self._step_sizes.bound_block_curvature(curvature)
+            self._bounded_blocks.add(b)
+        if grew:
+            self._apply_step_sizes()
+
+    def _block_gradient(self, b: int, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``lambda -> grad_lambda f_b(phi_b, lambda)`` at the block's current rows and one fixed noise."""
+        indices = self.partition.stacked(torch.tensor([b]), self.device)
+        losses = self._objective.bind(indices, [self._draw_seed()], args, kwargs)
+        rows = self._params.rows(indices)
+
+        def gradient(point: torch.Tensor) -> torch.Tensor:
+            point = point.detach().requires_grad_()
+            copies = {k: v.unsqueeze(0) for k, v in self.layout.unflatten(point).items()}
+            return torch.autograd.grad(losses(copies, rows).sum(), point)[0]
+
+        return gradient
+
+    def _apply_step_sizes(self) -> None:
+        """Take the current step sizes; ``lambda_0`` moves with ``h = H mean(mu)``."""
+        self._state.set_step_sizes(self._step_sizes.per_coordinate(self._state.consensus))
+        self._params.write_consensus(self._state.consensus)
+        self.diagnostics["step_sizes"] = self.step_sizes
 
     def _solve_everywhere(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> StepSolution:
         """Solve the step's blocks (:class:`~pyro_pdvi.distributed.DistributedPDVI` also tells
@@ -529,9 +617,7 @@ class PDVI:
                 "positive finite number; their step sizes are kept",
                 stacklevel=4,
             )
-        self._state.set_step_sizes(self._step_sizes.per_coordinate(self._state.consensus))
-        self._params.write_consensus(self._state.consensus)
-        self.diagnostics["step_sizes"] = self.step_sizes
+        self._apply_step_sizes()
         self.diagnostics["curvatures"] = self.curvatures
 
     # ------------------------------------------------------------ inspection
@@ -559,7 +645,7 @@ class PDVI:
         with torch.no_grad():
             if isinstance(self.loss, ELBO):
                 return float(self.loss.loss(self.model, self.guide, *args, **kwargs))
-            return float(self._loss_fn(self.model, self.guide, *args, **kwargs))
+            return float(loss_function(self.loss)(self.model, self.guide, *args, **kwargs))
 
     def global_gradient_norm(self, *args: Any, **kwargs: Any) -> float:
         """``||grad_lambda f(phi, lambda_0)||`` over all blocks: the paper's Fig. 4 metric.

@@ -54,7 +54,7 @@ def run_epochs(
     check_choice(order, ORDERS, "order")
     first = pdvi._epoch_blocks()[0]
     if pdvi._state is None:
-        pdvi._setup(args, pdvi._with_block(kwargs, first, subsample_arg), check_subsample=False)
+        pdvi._setup(args, pdvi._with_block(kwargs, first, subsample_arg), torch.tensor([first]))
     monitor = ConvergenceMonitor(
         lambda: pdvi._all_reduce(pdvi._gradient_sum(pdvi._epoch_blocks(), args, kwargs, subsample_arg)),
         num_epochs,

@@ -177,6 +177,35 @@ def estimate_curvatures(
     return curvatures
 
 
+def diagonal_curvature(
+    gradient: Callable[[torch.Tensor], torch.Tensor],
+    point: torch.Tensor,
+    num_probes: int,
+    relative_step: float | None = None,
+) -> torch.Tensor:
+    """Hutchinson's estimate of the Hessian's diagonal, ``|mean_k v_k * (H v_k)|`` over
+    Rademacher probes ``v_k``, with Hessian-vector products by central differences of
+    ``gradient`` (as :func:`estimate_curvatures`). Exact in one probe for a diagonal Hessian;
+    off-diagonal terms add noise of mean zero.
+
+    :param gradient: ``lambda -> grad f(lambda)`` (deterministic: fix the noise).
+    :param point: where to measure, a flat vector.
+    :param num_probes: Rademacher probes.
+    :param relative_step: finite-difference step relative to ``1 + max|point|``; default
+        ``sqrt(eps)``.
+    :returns: ``(P,)``, non-negative.
+    """
+    generator = torch.Generator().manual_seed(0)
+    if relative_step is None:
+        relative_step = float(torch.finfo(point.dtype).eps) ** 0.5
+    step = relative_step * (1.0 + float(point.abs().max()))
+    total = torch.zeros_like(point)
+    for _ in range(num_probes):
+        v = (2 * torch.randint(0, 2, point.shape, generator=generator) - 1).to(point)
+        total += v * (gradient(point + step * v) - gradient(point - step * v)) / (2 * step)
+    return (total / num_probes).abs()
+
+
 def _check_epochs(epochs: Sequence[float], name: str) -> tuple[float, ...]:
     """A sequence of positive finite numbers, returned sorted."""
     if isinstance(epochs, (str, bytes)) or not isinstance(epochs, Sequence):
@@ -191,68 +220,163 @@ def _check_epochs(epochs: Sequence[float], name: str) -> tuple[float, ...]:
     return tuple(sorted(float(value) for value in epochs))
 
 
+#: Rules of ``eta="auto"`` (:class:`AutoStepSize`).
+RULES = ("natural", "curvature")
+
+#: The natural rule follows a coordinate's Fisher information when it moved by more than this factor.
+FISHER_TOLERANCE = 2.0
+
+#: The natural rule's bound ``eta_j <= BLOCK_CURVATURE_BOUND / max_b h_bj`` (measured on the issue-13
+#: suite: 2 slowed the logistic regression 10x, 32 let the mixed model's per-group effects oscillate).
+BLOCK_CURVATURE_BOUND = 8.0
+
+#: The default ``scale`` of each rule.
+DEFAULT_SCALES = {"natural": 1.0, "curvature": 2.0}
+
+
 @dataclass(frozen=True)
 class AutoStepSize:
-    """How ``eta="auto"`` measures a group's step size: ``eta_j = scale / L_j`` with ``L_j``
-    the largest curvature of the reduced block objective ``min_phi f_b`` in the group's
-    params [1, Thm. 4.7], the largest ``|eigenvalue|`` of its Hessian block by power
-    iteration (:func:`estimate_curvatures`), max over ``curvature_blocks`` blocks.
+    """How ``eta="auto"`` sets the step sizes of its groups.
+
+    * ``rule="natural"`` (default): a step size per coordinate, ``eta_j = scale * n / F_j``
+      with ``F_j`` the guide's Fisher information in param coordinate ``j``
+      (:mod:`~pyro_pdvi.infer.fisher`), measured again after every epoch, so that each block's
+      penalty ``1/2 ||lambda_b - lambda_0||^2_D`` is ``1/scale`` of a block's share of the
+      objective's curvature in every coordinate. Coordinates with ``F_j = 0`` (Delta or
+      unused params) take their group's curvature rule.
+    * ``rule="curvature"``: one step size per group, ``eta_j = scale / L_j`` with ``L_j`` the
+      largest curvature of the reduced block objective ``min_phi f_b`` in the group's params
+      [1, Thm. 4.7], the largest ``|eigenvalue|`` of its Hessian block by power iteration
+      (:func:`estimate_curvatures`), max over ``curvature_blocks`` blocks.
 
     Pass ``PDVI(..., eta=AutoStepSize(...))``; ``eta="auto"`` is ``AutoStepSize()``.
 
-    :param scale: the constant in ``eta_j = scale / L_j``. The default 2 is a compromise
-        measured in ``docs/benchmarks.md``: of 1, 2 and 4 it was best on the AutoDelta MAP
-        test and for PD-VI on the quadratic, 1 was best for P2D-VI on the quadratic and 4
-        for the consensus rule on the GMM.
+    :param rule: ``"natural"`` or ``"curvature"``.
+    :param scale: the constant of the rule (default :data:`DEFAULT_SCALES`). For
+        ``"curvature"`` the default 2 is a compromise measured in ``docs/benchmarks.md``: of
+        1, 2 and 4 it was best on the AutoDelta MAP test and for PD-VI on the quadratic.
+    :param fisher_samples: draws of the guide's latents per block for ``F_j``.
+    :param fisher_blocks: blocks the Fisher estimate averages.
+    :param curvature_probes: Rademacher probes of each block's diagonal curvature (natural
+        rule: measured before the block's first solve, it bounds ``eta_j <= 2 / max_b h_bj``).
     :param curvature_blocks: how many blocks are measured (the max is used).
     :param curvature_iterations: power iterations per group and block.
-    :param remeasure_epochs: epochs (block visits / n) after which every ``"auto"`` group
-        measures its curvature again, at the current ``lambda_0`` and local rows, and takes
-        ``eta_j = scale / L_j`` with ``L_j`` the largest curvature measured so far: each
-        measurement is a lower bound of the Lipschitz constant that [1, Thm. 4.7] asks
-        for, so a step size only ever shrinks. The duals are kept (after an exact solve
-        ``mu_b = -grad f_b``, whatever ``eta``) and ``lambda_0`` moves with
-        ``h = H mean(mu)``, so the fixed point is unchanged. Each measurement costs what
-        the set-up's does. Default ``()``: measure at set-up only. ``(1, 2)`` fixed a step
-        2x too large on well-separated GMM clusters (``docs/benchmarks.md``, section 9).
+    :param remeasure_epochs: with the curvature rule, epochs (block visits / n) after which
+        every ``"auto"`` group measures its curvature again, at the current ``lambda_0`` and
+        local rows, and takes ``eta_j = scale / L_j`` with ``L_j`` the largest curvature
+        measured so far (a step size only ever shrinks). The duals are kept (after an exact
+        solve ``mu_b = -grad f_b``, whatever ``eta``) and ``lambda_0`` moves with
+        ``h = H mean(mu)``, so the fixed point is unchanged (``docs/benchmarks.md``, section 9).
     """
 
-    scale: float = 2.0
+    rule: str = "natural"
+    scale: float | None = None
+    fisher_samples: int = 16
+    fisher_blocks: int = 2
+    curvature_probes: int = 4
     curvature_blocks: int = 4
     curvature_iterations: int = 6
     remeasure_epochs: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"Invalid rule: {self.rule!r}; use one of {RULES}")
+        if self.scale is None:
+            object.__setattr__(self, "scale", DEFAULT_SCALES[self.rule])
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not self.scale > 0:
             raise ValueError(f"Invalid scale: {self.scale!r}; use a positive float")
-        check_positive_int(self.curvature_blocks, "curvature_blocks")
-        check_positive_int(self.curvature_iterations, "curvature_iterations")
+        for name in (
+            "fisher_samples",
+            "fisher_blocks",
+            "curvature_probes",
+            "curvature_blocks",
+            "curvature_iterations",
+        ):
+            check_positive_int(getattr(self, name), name)
         object.__setattr__(self, "remeasure_epochs", _check_epochs(self.remeasure_epochs, "remeasure_epochs"))
 
 
 class StepSizes:
-    """The step size ``eta_j`` of every group of a run, and the curvatures measured so far.
+    """The step sizes of a run: per group (fixed, or ``scale / L_j`` from a measured
+    curvature) and, with the natural rule, per coordinate from the guide's Fisher information.
 
     :param groups: the resolved groups (:func:`resolve_groups`).
     :param layout: the layout of the global params.
     :param auto: how ``"auto"`` groups are measured.
+    :param num_blocks: n.
     """
 
-    def __init__(self, groups: list[Group], layout: GlobalLayout, auto: AutoStepSize) -> None:
+    def __init__(
+        self, groups: list[Group], layout: GlobalLayout, auto: AutoStepSize, num_blocks: int
+    ) -> None:
         self.groups = groups
         self.auto = auto
+        self.num_blocks = num_blocks
         self.group_of = coordinate_groups(groups, layout)
         # Held in float64 on the host: a fixed eta is the user's float exactly.
         self.etas = torch.tensor(
             [0.0 if g.eta == "auto" else float(g.eta) for g in groups], dtype=torch.float64
         )
         self.curvatures: torch.Tensor | None = None
+        self.fisher: torch.Tensor | None = None
+        self.block_curvature: torch.Tensor | None = None
         self.remeasured = 0
 
     @property
     def measured_groups(self) -> torch.Tensor:
-        """Which groups take ``eta_j = scale / L_j``, shape ``(J,)``."""
+        """Which groups set their step sizes themselves (``"auto"``), shape ``(J,)``."""
         return torch.tensor([g.eta == "auto" for g in self.groups])
+
+    @property
+    def curvature_scale(self) -> float:
+        """The constant of ``eta_j = scale / L_j`` (the curvature rule's default under the natural one)."""
+        return DEFAULT_SCALES["curvature"] if self.auto.rule == "natural" else self.auto.scale
+
+    @property
+    def natural(self) -> bool:
+        """Whether ``"auto"`` groups follow the guide's Fisher information."""
+        return self.auto.rule == "natural" and bool(self.measured_groups.any())
+
+    def set_fisher(self, fisher: torch.Tensor) -> bool:
+        """Take the guide's Fisher diagonal at the current ``lambda_0`` (natural rule) where it
+        moved by more than a factor :data:`FISHER_TOLERANCE` from the one in use: a new step size
+        moves ``lambda_0`` (``h = H mean(mu)``), so noise in the estimate is not followed.
+
+        :returns: whether any coordinate's step size changed.
+        """
+        fisher = fisher.detach().to("cpu", torch.float64)
+        if self.fisher is None:
+            self.fisher = fisher
+            return True
+        moved = (fisher > FISHER_TOLERANCE * self.fisher) | (fisher * FISHER_TOLERANCE < self.fisher)
+        self.fisher = torch.where(moved, fisher, self.fisher)
+        return bool(moved.any())
+
+    def bound_block_curvature(self, curvature: torch.Tensor) -> bool:
+        """Take one more block's diagonal curvature into the bound ``eta_j <= 2 / max_b h_bj``
+        of the natural rule (:func:`diagonal_curvature`).
+
+        :returns: whether any coordinate's bound grew.
+        """
+        curvature = curvature.detach().to("cpu", torch.float64)
+        if self.block_curvature is None:
+            self.block_curvature = curvature
+            return True
+        grew = bool((curvature > self.block_curvature).any())
+        self.block_curvature = torch.maximum(self.block_curvature, curvature)
+        return grew
+
+    def needs_curvature(self) -> bool:
+        """Whether some ``"auto"`` coordinate takes the curvature rule: all of them under that
+        rule, those with no Fisher information under the natural one."""
+        if not bool(self.measured_groups.any()):
+            return False
+        if not self.natural:
+            return True
+        if self.fisher is None:
+            raise RuntimeError("set_fisher before asking whether the curvature rule is needed")
+        auto = self.measured_groups[self.group_of]
+        return bool((auto & ~(self.fisher > 0)).any())
 
     def measure(
         self,
@@ -292,7 +416,11 @@ class StepSizes:
 
         :raises ValueError: naming a group whose curvature is not a positive finite number.
         """
-        for group, measured, curvature in zip(self.groups, self.measured_groups, curvatures.tolist()):
+        needed = self.measured_groups.clone()
+        if self.natural:  # only groups with coordinates that have no Fisher information
+            for j in range(len(self.groups)):
+                needed[j] &= bool((self.fisher[self.group_of == j] == 0).any())
+        for group, measured, curvature in zip(self.groups, needed, curvatures.tolist()):
             if measured and not 0 < curvature < float("inf"):
                 raise ValueError(
                     f"eta='auto' measured a curvature of {curvature} for group {group.name!r} "
@@ -300,7 +428,7 @@ class StepSizes:
                     "that group a fixed eta, or check that the sites are used by the model."
                 )
         self.curvatures = curvatures.detach().to("cpu", torch.float64)
-        self.etas = torch.where(self.measured_groups, self.auto.scale / self.curvatures, self.etas)
+        self.etas = torch.where(self.measured_groups, self.curvature_scale / self.curvatures, self.etas)
 
     def remeasure_due(self, block_visits: int, num_blocks: int) -> bool:
         """Whether the run has passed the next of ``remeasure_epochs`` (counted once)."""
@@ -318,16 +446,28 @@ class StepSizes:
         measured = measured.detach().to("cpu", torch.float64)
         usable = torch.isfinite(measured) & (measured > 0)
         self.curvatures = torch.where(usable, torch.maximum(self.curvatures, measured), self.curvatures)
-        self.etas = torch.where(self.measured_groups, self.auto.scale / self.curvatures, self.etas)
+        self.etas = torch.where(self.measured_groups, self.curvature_scale / self.curvatures, self.etas)
         return [g.name for g, ok in zip(self.groups, usable.tolist()) if not ok]
 
     def per_coordinate(self, like: torch.Tensor) -> torch.Tensor:
         """``eta`` of every coordinate of the flat global vector, dtype and device of ``like``."""
-        return self.etas.to(like)[self.group_of.to(like.device)]
+        etas = self.etas[self.group_of]
+        if self.natural and self.fisher is not None:
+            auto = self.measured_groups[self.group_of] & (self.fisher > 0)
+            tiny = torch.finfo(torch.float64).tiny
+            natural = self.auto.scale * self.num_blocks / self.fisher.clamp(min=tiny)
+            if self.block_curvature is not None:
+                # A coordinate that few blocks inform is as stiff in one block as in all of them.
+                bound = BLOCK_CURVATURE_BOUND / self.block_curvature.clamp(min=tiny)
+                natural = torch.minimum(natural, bound)
+            etas = torch.where(auto, natural, etas)
+        return etas.to(like)
 
     def as_dict(self) -> dict[str, float]:
-        """``{group name: eta_j}``."""
-        return {g.name: float(eta) for g, eta in zip(self.groups, self.etas)}
+        """``{group name: eta_j}``: a group's step size, or under the natural rule the
+        geometric mean of its coordinates' step sizes."""
+        etas = self.per_coordinate(torch.zeros((), dtype=torch.float64))
+        return {g.name: float(etas[self.group_of == j].log().mean().exp()) for j, g in enumerate(self.groups)}
 
     def curvatures_as_dict(self) -> dict[str, float]:
         """``{group name: L_j}`` (empty before a measurement)."""
@@ -341,6 +481,8 @@ class StepSizes:
             "group_step_sizes": self.etas.clone(),
             "remeasured": self.remeasured,
             "curvatures": None if self.curvatures is None else self.curvatures.clone(),
+            "fisher": None if self.fisher is None else self.fisher.clone(),
+            "block_curvature": None if self.block_curvature is None else self.block_curvature.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -349,5 +491,8 @@ class StepSizes:
             raise ValueError(f"saved PDVI state has groups {state['groups']}, this PDVI has {names}")
         self.etas = state["group_step_sizes"].to(torch.float64)
         self.remeasured = state["remeasured"]
-        curvatures = state["curvatures"]
+        curvatures, fisher = state["curvatures"], state["fisher"]
         self.curvatures = None if curvatures is None else curvatures.to(torch.float64)
+        self.fisher = None if fisher is None else fisher.to(torch.float64)
+        bound = state["block_curvature"]
+        self.block_curvature = None if bound is None else bound.to(torch.float64)
