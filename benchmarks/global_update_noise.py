@@ -4,36 +4,52 @@ Model: mu ~ N(0, 10^2), theta_i ~ N(mu, 1), x_i ~ N(theta_i, 0.5^2), data sorted
 into fixed blocks, AutoNormal guide, TraceMeanField_ELBO. The target is Gaussian,
 so the mean-field optimum's mean of q(mu) is the exact posterior mean, known in
 closed form, and its sd is the inverse square root of the precision's mu-mu entry.
-Each PDVI run takes one block per step; after each of the last epochs it records
-the errors of q(mu)'s mean and sd. Printed: their RMS over those epochs and seeds,
-for each ``--rules`` entry (the paper's rule, lambda_0 = gamma + h with gamma the
-step's block copy; the consensus rule, gamma the mean of every block's latest copy;
-"auto", the paper's rule for ``--warmup-epochs`` then the consensus rule), and for
-Pyro's SVI+Adam on the same blocks. With ``--antithetic on`` (or ``both``) the runs
-draw their particles in antithetic pairs (``PDVI(antithetic=True)``; SVI steps under
-``pyro_pdvi.AntitheticNoise``). ``--frozen`` adds the exact optimum of the fixed-noise
-objective that PDVI converges to when every block keeps one noise draw for the whole run.
+Each PDVI run takes one block per step (``GenericSolver``: L-BFGS at fixed noise); after
+each of the last epochs it records the errors of q(mu)'s mean and sd. Printed: their RMS
+over those epochs and seeds, for each ``--rules`` entry (the paper's rule, lambda_0 =
+gamma + h with gamma the step's block copy; the consensus rule, gamma the mean of every
+block's latest copy; "auto", the paper's rule for ``--warmup-epochs`` then the consensus
+rule), and for Pyro's SVI+Adam on the same blocks in the same order. With ``--antithetic
+on`` (or ``both``) the runs draw their particles in antithetic pairs
+(``PDVI(antithetic=True)``; SVI steps under ``pyro_pdvi.AntitheticNoise``). ``--frozen``
+adds the exact optimum of the fixed-noise objective that PDVI converges to when every
+block keeps one noise draw for the whole run. Seconds per epoch count the steps only.
 
 Example::
 
-    python examples/benchmark_global_update_noise.py --particles 8,64,256 --seeds 3
+    python benchmarks/global_update_noise.py --particles 8,64,256 --seeds 3
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from functools import partial
+from pathlib import Path
 
-import pyro
-import pyro.distributions as dist
-import torch
-from pyro.infer import SVI, TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoNormal
+if __package__ in (None, ""):
+    # Run as a script: import this checkout's benchmarks and pyro_pdvi, not an installed copy.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyro_pdvi import PDVI, AntitheticNoise
-from pyro_pdvi.infer.antithetic import antithetic_loss
-from pyro_pdvi.infer.handlers import FixedNoise
-from pyro_pdvi.infer.primal import lbfgs
+import pyro  # noqa: E402
+import pyro.distributions as dist  # noqa: E402
+import torch  # noqa: E402
+from pyro.infer import SVI, TraceMeanField_ELBO  # noqa: E402
+from pyro.infer.autoguide import AutoNormal  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    add_step_size_arguments,
+    auto_step_size,
+    ints,
+    markdown_table,
+    names,
+    run_epochs,
+    setup_torch,
+)
+from pyro_pdvi import PDVI, AntitheticNoise, GenericSolver  # noqa: E402
+from pyro_pdvi.infer.antithetic import antithetic_loss  # noqa: E402
+from pyro_pdvi.infer.handlers import FixedNoise, ParamOverride  # noqa: E402
+from pyro_pdvi.infer.solvers import batched_lbfgs  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,13 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--last", type=int, default=5, help="epochs at the end over which the error is measured"
     )
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--eta-scale", type=float, default=2.0, help="PDVI eta_scale")
+    parser.add_argument("--seeds", type=int, default=3, help="runs per method, seeds 0, 1, ...")
+    add_step_size_arguments(parser)
     parser.add_argument(
-        "--remeasure-epochs",
-        type=lambda text: tuple(float(v) for v in text.split(",") if v),
-        default=(),
-        help="PDVI remeasure_epochs, a comma list of epochs (default: none)",
+        "--inner-steps",
+        type=int,
+        default=10,
+        help="GenericSolver(inner_steps=...) of PDVI: evaluations of the block objective per solve",
     )
     parser.add_argument(
         "--rules", default="auto,paper,consensus", help="PDVI global_update rules (comma list)"
@@ -73,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class SortedHierarchy:
+    """The model, its data sorted into blocks, and the exact mean-field optimum of q(mu)."""
+
     def __init__(self, num_data: int, num_blocks: int) -> None:
         g = torch.Generator().manual_seed(0)
         self.x = torch.sort(torch.randn(num_data, generator=g) * 2 + 1).values
@@ -92,6 +110,13 @@ class SortedHierarchy:
     def guide(self):
         return AutoNormal(self.model, create_plates=lambda idx: pyro.plate("data", self.N, subsample=idx))
 
+    def errors(self) -> dict:
+        """The error of q(mu)'s mean and the relative error of its sd."""
+        return {
+            "mean_error": float(pyro.param("AutoNormal.locs.mu").detach()) - self.exact_mean,
+            "scale_error": float(pyro.param("AutoNormal.scales.mu").detach()) / self.exact_scale - 1,
+        }
+
 
 class AntitheticSVI(SVI):
     """SVI whose steps draw the guide's particles in antithetic pairs."""
@@ -104,24 +129,32 @@ class AntitheticSVI(SVI):
 class FrozenNoiseOptimum:
     """The exact minimiser of sum_b f_b with every block's noise fixed to one draw: what
     PDVI converges to if each block kept its noise for the whole run. ``step`` solves it
-    (the first call; later calls do nothing), so ``errors`` reads the same point each epoch.
+    (the first call, by L-BFGS on all params, a batch of one; later calls do nothing), so
+    the errors read the same point each epoch.
     """
 
-    def __init__(self, problem: SortedHierarchy, loss, antithetic: bool) -> None:
+    def __init__(self, problem: SortedHierarchy, loss, antithetic: bool, max_iter: int = 500) -> None:
         self.problem = problem
         self.guide = problem.guide()
         self.loss_fn = loss.differentiable_loss
         if antithetic:
             self.loss_fn = antithetic_loss(self.loss_fn)
+        self.max_iter = max_iter
         self.solved = False
 
-    def objective(self, noises: list[FixedNoise]) -> torch.Tensor:
+    def objective(self, noises: list[FixedNoise], values: dict | None = None) -> torch.Tensor:
+        """``sum_b f_b`` at the params' current values, or at the unconstrained ``values``."""
+        model, guide = self.problem.model, self.guide
+        if values is not None:
+            constraints = pyro.get_param_store().get_state()["constraints"]
+            model, guide = (
+                ParamOverride(values, constraints)(model),
+                ParamOverride(values, constraints)(guide),
+            )
         total = 0.0
         for noise, block in zip(noises, self.problem.blocks):
             with noise():
-                total = (
-                    total + self.loss_fn(self.problem.model, self.guide, block) * len(block) / self.problem.N
-                )
+                total = total + self.loss_fn(model, guide, block) * len(block) / self.problem.N
         return total
 
     def step(self, block) -> None:
@@ -130,87 +163,91 @@ class FrozenNoiseOptimum:
         seeds = torch.randint(0, 2**62, (len(self.problem.blocks),)).tolist()
         noises = [FixedNoise(seed, torch.device("cpu")) for seed in seeds]
         self.objective(noises)  # creates the params
-        params = [p for _, p in pyro.get_param_store().named_parameters()]
-        lbfgs(lambda: self.objective(noises), params, max_iter=500)
+        params = dict(pyro.get_param_store().named_parameters())
+        sizes = [p.numel() for p in params.values()]
+
+        def values_of(x: torch.Tensor) -> dict:
+            return {name: part.view_as(p) for (name, p), part in zip(params.items(), x[0].split(sizes))}
+
+        start = torch.cat([p.detach().reshape(-1) for p in params.values()]).unsqueeze(0)
+        result = batched_lbfgs(
+            lambda x: self.objective(noises, values_of(x)).reshape(1), start, self.max_iter, check_every=1
+        )
+        with torch.no_grad():
+            for name, value in values_of(result.x).items():
+                params[name].copy_(value)
         self.solved = True
 
 
-def errors(problem, make_algo, args, seed):
-    pyro.clear_param_store()
-    pyro.set_rng_seed(seed)
-    algo = make_algo()
-    out = []
-    for epoch in range(args.epochs):
-        for b in torch.randperm(len(problem.blocks)).tolist():
-            algo.step(problem.blocks[b])
-        if epoch >= args.epochs - args.last:
-            mean_error = float(pyro.param("AutoNormal.locs.mu").detach()) - problem.exact_mean
-            scale_error = float(pyro.param("AutoNormal.scales.mu").detach()) / problem.exact_scale - 1
-            out.append((mean_error, scale_error))
-    return out
-
-
 def main(args: argparse.Namespace) -> list[dict]:
-    torch.set_num_threads(args.threads)
-    torch.set_default_dtype(torch.float64)
+    setup_torch(args.threads)
     problem = SortedHierarchy(args.num_data, args.num_blocks)
-    rows = []
     print(
         f"N={args.num_data}, {args.num_blocks} sorted blocks, {args.epochs} epochs, error over the last "
         f"{args.last}, {args.seeds} seeds, threads={torch.get_num_threads()}"
     )
-    print(
-        "\n| particles | method | RMS error of E_q[mu] | RMS relative error of sd_q[mu] | seconds/epoch |"
-        "\n|---|---|---|---|---|"
-    )
-    for particles in [int(p) for p in args.particles.split(",")]:
+    first_scored = args.epochs - args.last + 1
 
-        def loss(particles=particles):
-            return TraceMeanField_ELBO(num_particles=particles, vectorize_particles=True)
+    def evaluate(epoch: int) -> dict:
+        return problem.errors() if epoch >= first_scored else {}
 
-        settings = {"off": [False], "on": [True], "both": [False, True]}[args.antithetic]
+    def pdvi(loss, rule: str, antithetic: bool) -> PDVI:
+        return PDVI(
+            problem.model,
+            problem.guide(),
+            pyro.optim.Adam({"lr": 0.01}),
+            loss,
+            blocks=problem.blocks,
+            eta=auto_step_size(args),
+            solver=GenericSolver(inner_steps=args.inner_steps),
+            global_update=rule,
+            warmup_epochs=args.warmup_epochs,
+            antithetic=antithetic,
+        )
+
+    def svi(loss, svi_class: type) -> SVI:
+        return svi_class(problem.model, problem.guide(), pyro.optim.Adam({"lr": args.svi_lr}), loss)
+
+    rows, lines = [], []
+    for particles in ints(args.particles):
+        loss = TraceMeanField_ELBO(num_particles=particles, vectorize_particles=True)
         methods = {}
-        for antithetic in settings:
+        for antithetic in {"off": [False], "on": [True], "both": [False, True]}[args.antithetic]:
             tag = ", antithetic" if antithetic else ""
-            for rule in args.rules.split(","):
-                methods[f"PDVI {rule}{tag}"] = lambda rule=rule, antithetic=antithetic: PDVI(
-                    problem.model,
-                    problem.guide(),
-                    pyro.optim.Adam({"lr": 0.01}),
-                    loss(),
-                    blocks=problem.blocks,
-                    global_update=rule,
-                    warmup_epochs=args.warmup_epochs,
-                    eta_scale=args.eta_scale,
-                    inner_steps=10,
-                    antithetic=antithetic,
-                    remeasure_epochs=args.remeasure_epochs,
-                )
-            svi_class = AntitheticSVI if antithetic else SVI
-            methods[f"SVI+Adam lr={args.svi_lr:g}{tag}"] = lambda svi_class=svi_class: svi_class(
-                problem.model, problem.guide(), pyro.optim.Adam({"lr": args.svi_lr}), loss()
+            for rule in names(args.rules):
+                methods[f"PDVI {rule}{tag}"] = partial(pdvi, loss, rule, antithetic)
+            methods[f"SVI+Adam lr={args.svi_lr:g}{tag}"] = partial(
+                svi, loss, AntitheticSVI if antithetic else SVI
             )
             if args.frozen:
-                methods[f"fixed-noise optimum{tag}"] = lambda antithetic=antithetic: FrozenNoiseOptimum(
-                    problem, loss(), antithetic
-                )
+                methods[f"fixed-noise optimum{tag}"] = partial(FrozenNoiseOptimum, problem, loss, antithetic)
         for name, make_algo in methods.items():
-            start = time.perf_counter()
-            errs = torch.tensor(
-                [e for seed in range(args.seeds) for e in errors(problem, make_algo, args, seed)]
+            errors, seconds = [], 0.0
+            for seed in range(args.seeds):
+                _, history = run_epochs(make_algo, problem.blocks, args.epochs, seed, evaluate, label=name)
+                errors += [(row["mean_error"], row["scale_error"]) for row in history if "mean_error" in row]
+                seconds += history[-1]["seconds"]
+            rms, rms_scale = torch.tensor(errors).square().mean(0).sqrt().tolist()
+            row = {
+                "particles": particles,
+                "method": name,
+                "rms_error": rms,
+                "rms_scale_error": rms_scale,
+                "seconds_per_epoch": seconds / (args.seeds * args.epochs),
+            }
+            rows.append(row)
+            lines.append(
+                [particles, name, f"{rms:.4f}", f"{rms_scale:.4f}", f"{row['seconds_per_epoch']:.2f}"]
             )
-            seconds = (time.perf_counter() - start) / (args.seeds * args.epochs)
-            rms, rms_scale = errs.square().mean(0).sqrt().tolist()
-            rows.append(
-                {
-                    "particles": particles,
-                    "method": name,
-                    "rms_error": rms,
-                    "rms_scale_error": rms_scale,
-                    "seconds_per_epoch": seconds,
-                }
-            )
-            print(f"| {particles} | {name} | {rms:.4f} | {rms_scale:.4f} | {seconds:.2f} |")
+            print(f"  {particles} particles, {name}: done", flush=True)
+    header = [
+        "particles",
+        "method",
+        "RMS error of E_q[mu]",
+        "RMS relative error of sd_q[mu]",
+        "seconds/epoch",
+    ]
+    print("\n" + markdown_table(header, lines))
     return rows
 
 
