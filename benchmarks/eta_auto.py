@@ -6,35 +6,42 @@ default ``"auto"`` picks (the paper's rule, the solve being deterministic). Afte
 epoch: the relative gap of the exact negative ELBO to the full-batch CAVI optimum (q(z)
 re-solved in closed form) and W2 to the true mixture as a ratio to the CAVI optimum's.
 
-It also prints the curvature ``L_j`` that ``eta="auto"`` measures (the reduced block
-objective ``min_phi f_b``, max over ``--curvature-blocks`` blocks), per group, at the
-initial point and at the CAVI optimum, for one group (PD-VI) and one per site (P2D-VI).
+With ``--curvatures`` it also prints the curvature ``L_j`` that ``eta="auto"`` measures (the
+reduced block objective ``min_phi f_b``, max over 4 blocks), per group, at the initial point
+and at the CAVI optimum (a PDVI started there, with ``AutoStepSize(scale=1)``: ``L_j =
+1 / eta_j``), for one group (PD-VI) or one per site (P2D-VI).
 
 Example (the well-separated case: d = 2, separation 3)::
 
-    python examples/benchmark_eta_auto.py --dim 2 --separation 3 --etas 1e-3,3e-3,1e-2,3e-2
+    python benchmarks/eta_auto.py --dim 2 --separation 3 --etas 1e-3,3e-3,1e-2,3e-2
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
-import pyro
-import torch
-from pyro.infer import TraceEnum_ELBO
+if __package__ in (None, ""):
+    # Run as a script: import this checkout's benchmarks and pyro_pdvi, not an installed copy.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyro_pdvi import PDVI
-from pyro_pdvi.models import (
-    GMMBlockSolver,
-    GMMModel,
-    cavi,
-    make_biased_gmm,
-    negative_elbo,
-    predictive_components,
-    wasserstein_gmm,
+import pyro  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    GMMProblem,
+    first_epoch,
+    floats,
+    gmm_pdvi,
+    ints,
+    make_gmm_problem,
+    markdown_table,
+    run_epochs,
+    setup_torch,
+    step_sizes_text,
 )
-from pyro_pdvi.models.gmm import expected_log_likelihood
+from pyro_pdvi import AutoStepSize  # noqa: E402
+from pyro_pdvi.models.gmm import GMMBlockSolver, GMMModel  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,111 +54,87 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=200, help="points per fixed block")
     parser.add_argument("--purity", type=float, default=0.95, help="share of a block's dominant cluster")
     parser.add_argument("--separation", type=float, default=3.0, help="prior sd of the true centres")
-    parser.add_argument("--seeds", default="0", help="data/start seeds (comma list)")
-    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--seeds", default="0", help="data/start/block-order seeds (comma list)")
+    parser.add_argument("--epochs", type=int, default=15, help="passes over the data")
     parser.add_argument("--etas", default="", help="fixed step sizes to compare (comma list)")
     parser.add_argument(
         "--remeasure",
         default="none,1",
-        help="remeasure_epochs of the eta='auto' runs, comma list of '+'-joined epochs ('none': ())",
+        help="AutoStepSize(remeasure_epochs=...) of the eta='auto' runs, comma list of '+'-joined "
+        "epochs ('none': ())",
     )
     parser.add_argument("--groups", default="none", help="'none' (PD-VI), 'per_site' (P2D-VI), or both")
     parser.add_argument("--curvatures", action="store_true", help="print L_j at the start and optimum")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--quiet", action="store_true", help="no per-epoch lines")
     return parser.parse_args(argv)
 
 
-class Problem:
-    def __init__(self, args: argparse.Namespace, seed: int) -> None:
-        synthetic = make_biased_gmm(
+def pdvi(problem: GMMProblem, gmm: GMMModel, eta: float | AutoStepSize, groups: str | None):
+    return gmm_pdvi(
+        gmm, problem.blocks, eta=eta, groups=groups, solver=GMMBlockSolver(problem.data, problem.prior)
+    )
+
+
+def run(problem: GMMProblem, eta, groups, args: argparse.Namespace, label: str) -> dict:
+    etas = []
+
+    def evaluate(epoch: int) -> dict:
+        etas.append(dict(algo.step_sizes))
+        scores = problem.score_params()
+        return {"gap": scores["gap"], "w2_ratio": scores["w2_ratio"]}
+
+    def report(row: dict) -> None:
+        if not args.quiet:
+            print(
+                f"  {label:34s} epoch {row['epoch']:3d} gap {row['gap']:9.2e} W2/W2* {row['w2_ratio']:7.3f}  "
+                + step_sizes_text(algo, " ")
+            )
+
+    def make():
+        nonlocal algo
+        algo = pdvi(problem, problem.gmm, eta, groups)
+        return algo
+
+    algo = None
+    _, history = run_epochs(make, problem.blocks, args.epochs, problem.seed, evaluate, callback=report)
+    return {"label": label, "history": history, "seconds": history[-1]["seconds"], "etas": etas}
+
+
+def curvatures(problem: GMMProblem, groups: str | None) -> dict[str, list[float]]:
+    """``L_j`` as ``eta="auto"`` measures it at set-up, from the start and from the CAVI optimum."""
+    optimum = problem.optimum
+    at_optimum = GMMModel(
+        problem.data,
+        problem.prior,
+        init_means=optimum.m,
+        init_log_variances=optimum.rho,
+        init_logits=optimum.alpha,
+    )
+    measured = []
+    for gmm in (problem.gmm, at_optimum):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(problem.seed)
+        algo = pdvi(problem, gmm, AutoStepSize(scale=1.0), groups)
+        algo.step(problem.blocks[0])  # the set-up measures
+        measured.append({name: 1.0 / eta for name, eta in algo.step_sizes.items()})
+    return {name: [measured[0][name], measured[1][name]] for name in measured[0]}
+
+
+def main(args: argparse.Namespace) -> list[dict]:
+    setup_torch(args.threads)
+    groups_list = [None if g == "none" else g for g in args.groups.split(",")]
+    results = []
+    for seed in ints(args.seeds):
+        problem = make_gmm_problem(
             args.num_data,
             args.num_components,
             args.dim,
             args.block_size,
             args.purity,
-            seed=seed,
-            separation=args.separation,
+            seed,
+            args.separation,
         )
-        self.data, self.prior, self.blocks = synthetic.data, synthetic.prior, synthetic.blocks
-        self.centers, self.seed = synthetic.centers, seed
-        self.gmm = GMMModel(self.data, self.prior, seed=seed)
-        self.optimum = cavi(
-            self.data,
-            self.prior,
-            m=self.gmm.init_means.clone(),
-            rho=self.gmm.init_log_variances.clone(),
-            num_iterations=5000,
-        )
-        self.cavi_loss, self.cavi_w2 = self.raw(self.optimum.m, self.optimum.rho)
-
-    def raw(self, m: torch.Tensor, rho: torch.Tensor) -> tuple[float, float]:
-        alpha = torch.log_softmax(expected_log_likelihood(self.data, self.prior, m, rho), -1)
-        loss = float(negative_elbo(self.data, self.prior, m, rho, alpha))
-        true_var = self.prior.sigma0_sq.expand_as(self.centers)
-        return loss, wasserstein_gmm(self.centers, true_var, *predictive_components(self.prior, m, rho))
-
-    def score(self) -> tuple[float, float]:
-        loss, w2 = self.raw(pyro.param("m").detach(), pyro.param("rho").detach())
-        return (loss - self.cavi_loss) / abs(self.cavi_loss), w2 / self.cavi_w2
-
-    def pdvi(self, eta: float | str, groups: str | None, **options) -> PDVI:
-        return PDVI(
-            self.gmm.model,
-            self.gmm.guide,
-            pyro.optim.Adam({"lr": 0.01}),
-            TraceEnum_ELBO(max_plate_nesting=1),
-            blocks=self.blocks,
-            eta=eta,
-            groups=groups,
-            local_solver=GMMBlockSolver(self.data, self.prior),
-            **options,
-        )
-
-    def run(self, eta, groups, epochs, quiet, label, **options) -> dict:
-        pyro.clear_param_store()
-        pyro.set_rng_seed(self.seed)
-        algo = self.pdvi(eta, groups, **options)
-        order = torch.Generator().manual_seed(self.seed)
-        history, elapsed, etas = [], 0.0, []
-        for epoch in range(1, epochs + 1):
-            start = time.perf_counter()
-            for b in torch.randperm(len(self.blocks), generator=order).tolist():
-                algo.step(self.blocks[b])
-            elapsed += time.perf_counter() - start
-            gap, w2 = self.score()
-            history.append((gap, w2))
-            etas.append(dict(algo.step_sizes))
-            if not quiet:
-                steps = " ".join(f"{k}={v:.3g}" for k, v in algo.step_sizes.items())
-                print(f"  {label:34s} epoch {epoch:3d} gap {gap:9.2e} W2/W2* {w2:7.3f}  {steps}")
-        return {"label": label, "history": history, "seconds": elapsed, "etas": etas}
-
-    def curvatures(self, groups: str | None) -> dict[str, list[float]]:
-        """``L_j`` as ``eta="auto"`` measures it, at the start and at the CAVI optimum."""
-        pyro.clear_param_store()
-        pyro.set_rng_seed(self.seed)
-        algo = self.pdvi("auto", groups, eta_scale=1.0)
-        algo.step(self.blocks[0])  # set-up (measures at the start)
-        out = {"start": list(algo.step_sizes.values())}
-        algo._state.consensus = algo.layout.flatten({"m": self.optimum.m, "rho": self.optimum.rho})
-        pyro.param("alpha").data.copy_(self.optimum.alpha)
-        out["optimum"] = (1.0 / algo._estimate_curvatures((), {})).tolist()
-        names = list(algo.step_sizes)
-        return {name: [1.0 / out["start"][j], 1.0 / out["optimum"][j]] for j, name in enumerate(names)}
-
-
-def first(history: list[tuple[float, float]], which: int, threshold: float) -> int | None:
-    return next((e + 1 for e, row in enumerate(history) if row[which] <= threshold), None)
-
-
-def main(args: argparse.Namespace) -> list[dict]:
-    torch.set_num_threads(args.threads)
-    torch.set_default_dtype(torch.float64)
-    groups_list = [None if g == "none" else g for g in args.groups.split(",")]
-    results = []
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        problem = Problem(args, seed)
         print(
             f"seed {seed}: N={args.num_data} K={args.num_components} d={args.dim} "
             f"blocks={len(problem.blocks)}x{args.block_size} purity={args.purity} "
@@ -161,7 +144,7 @@ def main(args: argparse.Namespace) -> list[dict]:
         for groups in groups_list:
             kind = "P2D-VI" if groups else "PD-VI"
             if args.curvatures:
-                for name, (start, optimum) in problem.curvatures(groups).items():
+                for name, (start, optimum) in curvatures(problem, groups).items():
                     print(
                         f"  {kind} curvature L[{name}]: start {start:.4g}, CAVI optimum {optimum:.4g} "
                         f"(ratio {optimum / start:.3g})"
@@ -169,26 +152,31 @@ def main(args: argparse.Namespace) -> list[dict]:
             for setting in args.remeasure.split(","):
                 epochs = () if setting == "none" else tuple(float(e) for e in setting.split("+"))
                 label = f"{kind} auto, remeasure {setting}"
-                run = problem.run("auto", groups, args.epochs, args.quiet, label, remeasure_epochs=epochs)
-                results.append({"seed": seed, **run})
-            for eta in [float(v) for v in args.etas.split(",") if v]:
+                eta = AutoStepSize(remeasure_epochs=epochs)
+                results.append({"seed": seed, **run(problem, eta, groups, args, label)})
+            for eta in floats(args.etas):
                 label = f"{kind} eta={eta:g}"
-                results.append({"seed": seed, **problem.run(eta, groups, args.epochs, args.quiet, label)})
+                results.append({"seed": seed, **run(problem, eta, groups, args, label)})
 
-    print(
-        "\n| seed | run | eta (start -> end) | epochs to gap<1e-3 | epochs to W2<=1.1xW2* | "
-        "final gap | final W2/W2* | s |"
-    )
-    print("|" + "---|" * 8)
+    lines = []
     for r in results:
         history = r["history"]
         start = ",".join(f"{v:.3g}" for v in r["etas"][0].values())
         end = ",".join(f"{v:.3g}" for v in r["etas"][-1].values())
-        etas = start if start == end else f"{start} -> {end}"
-        print(
-            f"| {r['seed']} | {r['label']} | {etas} | {first(history, 0, 1e-3)} | {first(history, 1, 1.1)} | "
-            f"{history[-1][0]:.2e} | {history[-1][1]:.3f} | {r['seconds']:.1f} |"
+        lines.append(
+            [
+                r["seed"],
+                r["label"],
+                start if start == end else f"{start} -> {end}",
+                first_epoch(history, "gap", 1e-3),
+                first_epoch(history, "w2_ratio", 1.1),
+                f"{history[-1]['gap']:.2e}",
+                f"{history[-1]['w2_ratio']:.3f}",
+                f"{r['seconds']:.1f}",
+            ]
         )
+    header = ["seed", "run", "eta (start -> end)", "epochs to gap<1e-3", "epochs to W2<=1.1xW2*"]
+    print("\n" + markdown_table(header + ["final gap", "final W2/W2*", "s"], lines))
     return results
 
 

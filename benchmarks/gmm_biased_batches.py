@@ -105,6 +105,10 @@ METHODS = (
 )
 
 
+#: ``--antithetic`` as ``PDVI(antithetic=...)`` takes it.
+ANTITHETIC = {"auto": "auto", "on": True, "off": False}
+
+
 def pairs(text: str) -> list[tuple[float, float]]:
     """A comma list of ``tau:kappa`` pairs."""
     return [(float(tau), float(kappa)) for tau, kappa in (item.split(":") for item in names(text))]
@@ -161,6 +165,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="PDVI global update(s), comma list of paper, consensus (GMMBlockSolver recommends paper)",
     )
     add_step_size_arguments(run)
+    run.add_argument(
+        "--antithetic",
+        choices=tuple(ANTITHETIC),
+        default="auto",
+        help="PDVI(antithetic=...): antithetic particle pairs; auto (PDVI's default) is on for an even "
+        "number of vectorized particles",
+    )
     run.add_argument("--sweeps", type=int, default=10, help="coordinate-descent sweeps of GMMBlockSolver")
     run.add_argument(
         "--generic-num-data",
@@ -297,7 +308,14 @@ def runs_for(
 ) -> list[tuple[str, str, Callable, int]]:
     """``(method, setting, make_stepper, epochs)`` for every run on ``problem``."""
     gmm, blocks, epochs = problem.gmm, problem.blocks, args.epochs
-    pdvi = partial(gmm_pdvi, gmm, blocks, args.particles, eta=auto_step_size(args))
+    pdvi = partial(
+        gmm_pdvi,
+        gmm,
+        blocks,
+        args.particles,
+        eta=auto_step_size(args),
+        antithetic=ANTITHETIC[args.antithetic],
+    )
     rules = names(args.global_update)
     runs = []
     if generic:
