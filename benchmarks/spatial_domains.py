@@ -14,8 +14,8 @@ The plain mixture is P2D-VI with ``potts_weight = 0``: same solver, same patches
 objective (so it is compared by ARI only). SVI+Adam steps the same exact objective through
 ``pyro.infer.SVI`` one patch at a time.
 
-Run ``python examples/spatial_domains.py --help``; defaults give the benchmark in
-``docs/benchmarks.md``.
+Run ``python benchmarks/spatial_domains.py --help``; defaults give the benchmark in
+``docs/benchmarks.md``. ``examples/spatial_domains.py`` is the short version for users.
 
 [1] Lyu, Yu, Ma, Shi (2026), arXiv:2602.07632.
 """
@@ -25,13 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
-import torch
+if __package__ in (None, ""):
+    # Run as a script: import this checkout's benchmarks and pyro_pdvi, not an installed copy.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyro_pdvi.models.gmm import adjusted_rand_index
-from pyro_pdvi.spatial import BACKENDS, fit_potts_mixture, knn_graph, make_potts_data, scatter_available
+import torch  # noqa: E402
+
+from benchmarks.common import markdown_table, pyplot, save_figure  # noqa: E402
+from pyro_pdvi.metrics import adjusted_rand_index  # noqa: E402
+from pyro_pdvi.models.potts import BACKENDS, scatter_available  # noqa: E402
+from pyro_pdvi.spatial import fit_potts_mixture, knn_graph, make_potts_data  # noqa: E402
 
 METHODS = {
     "P2D-VI": {"method": "p2dvi"},
@@ -55,9 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=15, help="passes over the patches per method")
     parser.add_argument("--sweeps", type=int, default=10, help="coordinate-descent sweeps per patch solve")
     parser.add_argument("--lr", type=float, default=0.05, help="Adam learning rate of SVI")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument(
+        "--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="methods to run"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="data, initialisation and patch-order seed")
     parser.add_argument("--out", default=None, help="folder for figures and results.json")
     parser.add_argument("--quiet", action="store_true", help="print the summary table only")
     return parser.parse_args(argv)
@@ -160,12 +169,9 @@ def matched(truth: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def plot(args, tissue, fits, results, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
+    if plt is None:
+        return
     num_spots = results["num_spots"]
     methods = results["methods"]
     potts = [n for n in methods if "plain" not in n]
@@ -186,9 +192,7 @@ def plot(args, tissue, fits, results, out: Path) -> None:
     for ax in axes:
         ax.legend(fontsize=7)
     fig.suptitle(f"Potts mixture, N = {num_spots}, K = {args.num_domains}, d = {args.dim}")
-    fig.tight_layout()
-    fig.savefig(out / f"spatial_convergence_{num_spots}.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / f"spatial_convergence_{num_spots}.png")
 
     coords = tissue.coords.numpy()
     panels = [("truth", tissue.labels)] + [
@@ -205,28 +209,31 @@ def plot(args, tissue, fits, results, out: Path) -> None:
         ax.set_aspect("equal")
         ax.set_xticks([])
         ax.set_yticks([])
-    fig.tight_layout()
-    fig.savefig(out / f"spatial_domains_{num_spots}.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / f"spatial_domains_{num_spots}.png")
 
 
 def summary(results: list[dict]) -> str:
-    lines = [
-        "| N | method | step sizes | epochs to 1e-3 | epochs to 1e-5 | final objective | final ARI "
-        "| s/epoch |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["N", "method", "step sizes", "epochs to 1e-3", "epochs to 1e-5", "final objective"]
+    lines = []
     for result in results:
         for name, row in result["methods"].items():
             steps = ", ".join(f"{k} {v:.3g}" for k, v in row["step_sizes"].items()) or "Adam"
             lines.append(
-                f"| {result['num_spots']} | {name} | {steps} | {row.get('epochs_to_0.001', '—')} | "
-                f"{row.get('epochs_to_1e-05', '—')} | {row['history']['objective'][-1]:.6e} | "
-                f"{row['final_ari']:.3f} | {row['seconds_per_epoch']:.2f} |"
+                [
+                    result["num_spots"],
+                    name,
+                    steps,
+                    row.get("epochs_to_0.001", "—"),
+                    row.get("epochs_to_1e-05", "—"),
+                    f"{row['history']['objective'][-1]:.6e}",
+                    f"{row['final_ari']:.3f}",
+                    f"{row['seconds_per_epoch']:.2f}",
+                ]
             )
         backends = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in result["backends"].items())
-        lines.append(f"| {result['num_spots']} | neighbour sum W phi (all spots) | {backends} | | | | | |")
-    return "\n".join(line.replace("None", "—") for line in lines)
+        lines.append([result["num_spots"], "neighbour sum W phi (all spots)", backends, "", "", "", "", ""])
+    table = markdown_table(header + ["final ARI", "s/epoch"], lines)
+    return table.replace("None", "—")
 
 
 def main(args: argparse.Namespace) -> list[dict]:
