@@ -55,6 +55,11 @@ SCORE_KEYS = ("w2", "w2_ratio", "gap", "gap_own", "ari")
 # --------------------------------------------------------------------------- set-up
 
 
+def script_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A script's parser, with its module docstring as the ``--help`` text."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def setup_torch(threads: int | None = 1, dtype: torch.dtype = torch.float64) -> None:
     """``threads`` torch CPU threads (``None``: torch's default) and ``dtype`` as the default."""
     if threads is not None:
@@ -114,6 +119,28 @@ def auto_step_size(args: argparse.Namespace, scale: float | None = None) -> Auto
 
 
 # --------------------------------------------------------------------------- the GMM and its scorer
+
+
+def add_gmm_data_arguments(
+    parser: argparse.ArgumentParser | Any,
+    *,
+    num_data: int,
+    dim: int,
+    block_size: int,
+    separation: float,
+    purity: bool = True,
+) -> None:
+    """The options of the biased-block mixture data (``make_biased_gmm``); ``purity=False`` for a
+    script with its own (e.g. a list)."""
+    parser.add_argument("--num-data", type=int, default=num_data, help="N, data points")
+    parser.add_argument("--num-components", type=int, default=5, help="K, mixture components")
+    parser.add_argument("--dim", type=int, default=dim, help="d, data dimension")
+    parser.add_argument("--block-size", type=int, default=block_size, help="points per fixed block")
+    if purity:
+        parser.add_argument("--purity", type=float, default=0.95, help="share of a block's dominant cluster")
+    parser.add_argument(
+        "--separation", type=float, default=separation, help="prior sd of the true centres / noise sd"
+    )
 
 
 @dataclass
@@ -213,6 +240,24 @@ def make_gmm_problem(
         num_iterations=cavi_iterations,
     )
     return GMMProblem(synthetic, gmm, optimum, seed)
+
+
+def gmm_problem_from(
+    args: argparse.Namespace, seed: int, purity: float | None = None, num_data: int | None = None
+) -> GMMProblem:
+    """:func:`make_gmm_problem` from the options of :func:`add_gmm_data_arguments` (and
+    ``--device``, ``--cavi-iterations`` where a script has them)."""
+    return make_gmm_problem(
+        args.num_data if num_data is None else num_data,
+        args.num_components,
+        args.dim,
+        args.block_size,
+        args.purity if purity is None else purity,
+        seed,
+        args.separation,
+        getattr(args, "device", "cpu"),
+        getattr(args, "cavi_iterations", 5000),
+    )
 
 
 def gmm_elbo(particles: int | None = None) -> TraceEnum_ELBO:

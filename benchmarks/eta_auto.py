@@ -30,13 +30,15 @@ import pyro  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     GMMProblem,
+    add_gmm_data_arguments,
     first_epoch,
     floats,
     gmm_pdvi,
+    gmm_problem_from,
     ints,
-    make_gmm_problem,
     markdown_table,
     run_epochs,
+    script_parser,
     setup_torch,
     step_sizes_text,
 )
@@ -45,15 +47,8 @@ from pyro_pdvi.models.gmm import GMMBlockSolver, GMMModel  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--num-data", type=int, default=2000, help="N")
-    parser.add_argument("--num-components", type=int, default=5, help="K")
-    parser.add_argument("--dim", type=int, default=2, help="d")
-    parser.add_argument("--block-size", type=int, default=200, help="points per fixed block")
-    parser.add_argument("--purity", type=float, default=0.95, help="share of a block's dominant cluster")
-    parser.add_argument("--separation", type=float, default=3.0, help="prior sd of the true centres")
+    parser = script_parser(__doc__)
+    add_gmm_data_arguments(parser, num_data=2000, dim=2, block_size=200, separation=3.0)
     parser.add_argument("--seeds", default="0", help="data/start/block-order seeds (comma list)")
     parser.add_argument("--epochs", type=int, default=15, help="passes over the data")
     parser.add_argument("--etas", default="", help="fixed step sizes to compare (comma list)")
@@ -126,15 +121,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     groups_list = [None if g == "none" else g for g in args.groups.split(",")]
     results = []
     for seed in ints(args.seeds):
-        problem = make_gmm_problem(
-            args.num_data,
-            args.num_components,
-            args.dim,
-            args.block_size,
-            args.purity,
-            seed,
-            args.separation,
-        )
+        problem = gmm_problem_from(args, seed)
         print(
             f"seed {seed}: N={args.num_data} K={args.num_components} d={args.dim} "
             f"blocks={len(problem.blocks)}x{args.block_size} purity={args.purity} "

@@ -44,6 +44,7 @@ from benchmarks.common import (  # noqa: E402
     markdown_table,
     names,
     run_epochs,
+    script_parser,
     setup_torch,
 )
 from pyro_pdvi import PDVI, AntitheticNoise, GenericSolver  # noqa: E402
@@ -53,9 +54,7 @@ from pyro_pdvi.infer.solvers import batched_lbfgs  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument("--num-data", type=int, default=100, help="N")
     parser.add_argument("--num-blocks", type=int, default=10, help="fixed blocks, sorted by x")
     parser.add_argument("--particles", default="8,64,256", help="vectorized ELBO particles to compare")

@@ -67,6 +67,7 @@ from pyro.infer import SVI  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     SCORE_KEYS,
     GMMProblem,
+    add_gmm_data_arguments,
     add_step_size_arguments,
     append_csv,
     auto_step_size,
@@ -74,14 +75,15 @@ from benchmarks.common import (  # noqa: E402
     floats,
     gmm_elbo,
     gmm_pdvi,
+    gmm_problem_from,
     ints,
-    make_gmm_problem,
     markdown_table,
     names,
     pyplot,
     read_csv,
     run_epochs,
     save_figure,
+    script_parser,
     setup_torch,
     step_sizes_text,
     write_csv,
@@ -115,18 +117,12 @@ def pairs(text: str) -> list[tuple[float, float]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     data = parser.add_argument_group("data")
-    data.add_argument("--num-data", type=int, default=10000, help="N, data points (flagship: 100000)")
-    data.add_argument("--num-components", type=int, default=5, help="K, mixture components")
-    data.add_argument("--dim", type=int, default=10, help="d, data dimension")
-    data.add_argument("--block-size", type=int, default=1000, help="points per fixed block (one step)")
+    add_gmm_data_arguments(data, num_data=10000, dim=10, block_size=1000, separation=1.0, purity=False)
     data.add_argument(
         "--purities", default="0.95,1.0", help="comma list: share of each block from its dominant cluster"
     )
-    data.add_argument("--separation", type=float, default=1.0, help="prior sd of the true centres / noise sd")
     data.add_argument("--seeds", default="0", help="comma list of seeds (data, initial means, block order)")
     run = parser.add_argument_group("run")
     run.add_argument("--epochs", type=int, default=10, help="passes over the data for every method")
@@ -544,17 +540,7 @@ def main(args: argparse.Namespace) -> list[dict]:
             if args.generic_num_data > 0 and seed == seeds[0]:
                 sizes.append((args.generic_num_data, True))
             for num_data, generic in sizes:
-                problem = make_gmm_problem(
-                    num_data,
-                    args.num_components,
-                    args.dim,
-                    args.block_size,
-                    purity,
-                    seed,
-                    args.separation,
-                    args.device,
-                    args.cavi_iterations,
-                )
+                problem = gmm_problem_from(args, seed, purity, num_data)
                 print(
                     f"purity {purity:g} seed {seed}: N={num_data} K={args.num_components} "
                     f"d={args.dim} blocks={len(problem.blocks)}x{args.block_size}; CAVI optimum -ELBO "

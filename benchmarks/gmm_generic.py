@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from pyro.infer import SVI  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
+    add_gmm_data_arguments,
     add_step_size_arguments,
     auto_step_size,
     cost_split,
@@ -42,11 +43,12 @@ from benchmarks.common import (  # noqa: E402
     floats,
     gmm_elbo,
     gmm_pdvi,
-    make_gmm_problem,
+    gmm_problem_from,
     markdown_table,
     pyplot,
     run_epochs,
     save_figure,
+    script_parser,
     setup_torch,
     write_csv,
 )
@@ -55,15 +57,8 @@ from pyro_pdvi.models.gmm import GMMBlockSolver  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--num-data", type=int, default=2000, help="N, data points")
-    parser.add_argument("--num-components", type=int, default=5, help="K, mixture components")
-    parser.add_argument("--dim", type=int, default=10, help="d, data dimension")
-    parser.add_argument("--block-size", type=int, default=200, help="points per fixed block")
-    parser.add_argument("--purity", type=float, default=0.95, help="share of a block's dominant cluster")
-    parser.add_argument("--separation", type=float, default=1.0, help="prior scale of the true centres")
+    parser = script_parser(__doc__)
+    add_gmm_data_arguments(parser, num_data=2000, dim=10, block_size=200, separation=1.0)
     parser.add_argument("--epochs", type=int, default=10, help="passes over the data for PDVI")
     parser.add_argument("--svi-epochs", type=int, default=30, help="passes over the data for SVI")
     parser.add_argument("--lrs", default="0.01,0.03,0.1", help="Adam learning rates to try for SVI")
@@ -105,15 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(args: argparse.Namespace) -> list[dict]:
     setup_torch(args.threads)
-    problem = make_gmm_problem(
-        args.num_data,
-        args.num_components,
-        args.dim,
-        args.block_size,
-        args.purity,
-        args.seed,
-        args.separation,
-    )
+    problem = gmm_problem_from(args, args.seed)
     gmm, blocks = problem.gmm, problem.blocks
     print(
         f"N={args.num_data} K={args.num_components} d={args.dim} blocks={len(blocks)}x{args.block_size} "

@@ -24,15 +24,13 @@ if __package__ in (None, ""):
 import pyro  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import floats, markdown_table, run_epochs, setup_torch  # noqa: E402
+from benchmarks.common import floats, markdown_table, run_epochs, script_parser, setup_torch  # noqa: E402
 from pyro_pdvi import PDVI, AutoStepSize, GenericSolver  # noqa: E402
 from pyro_pdvi.models.quadratic import Quadratic  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument("--num-data", type=int, default=12, help="N")
     parser.add_argument("--num-blocks", type=int, default=4, help="fixed contiguous blocks")
     parser.add_argument("--eta-scales", default="1,2,4", help="AutoStepSize(scale=...) values to compare")

@@ -35,7 +35,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from benchmarks.common import markdown_table, pyplot, save_figure  # noqa: E402
+from benchmarks.common import markdown_table, pyplot, save_figure, script_parser  # noqa: E402
 from pyro_pdvi.metrics import adjusted_rand_index  # noqa: E402
 from pyro_pdvi.models.potts import BACKENDS, scatter_available  # noqa: E402
 from pyro_pdvi.spatial import fit_potts_mixture, knn_graph, make_potts_data  # noqa: E402
@@ -49,9 +49,7 @@ METHODS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument("--num-spots", type=int, nargs="+", default=[20000, 150000], help="sizes to run")
     parser.add_argument("--num-domains", type=int, default=12, help="K")
     parser.add_argument("--dim", type=int, default=20, help="feature dimension d")

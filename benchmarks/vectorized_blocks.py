@@ -44,7 +44,7 @@ if __package__ in (None, ""):
 import pyro  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import gmm_pdvi, markdown_table, setup_torch, write_csv  # noqa: E402
+from benchmarks.common import gmm_pdvi, markdown_table, script_parser, setup_torch, write_csv  # noqa: E402
 from pyro_pdvi import PDVI, BlockProblem, BlockSolution, GenericSolver  # noqa: E402
 from pyro_pdvi.infer.solvers import batched_lbfgs  # noqa: E402
 from pyro_pdvi.models.gmm import GMMModel, make_biased_gmm  # noqa: E402
@@ -62,9 +62,7 @@ COLUMNS = [
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument(
         "--configs",
         nargs="+",
