@@ -190,12 +190,16 @@ def main(args: argparse.Namespace) -> list[dict]:
     def evaluate(epoch: int) -> dict:
         return problem.errors() if epoch >= first_scored else {}
 
-    def pdvi(loss, rule: str, antithetic: bool) -> PDVI:
+    def loss(particles: int) -> TraceMeanField_ELBO:
+        # A new one for every run: its first use guesses max_plate_nesting by tracing, which draws.
+        return TraceMeanField_ELBO(num_particles=particles, vectorize_particles=True)
+
+    def pdvi(particles: int, rule: str, antithetic: bool) -> PDVI:
         return PDVI(
             problem.model,
             problem.guide(),
             pyro.optim.Adam({"lr": 0.01}),
-            loss,
+            loss(particles),
             blocks=problem.blocks,
             eta=auto_step_size(args),
             solver=GenericSolver(inner_steps=args.inner_steps),
@@ -204,22 +208,26 @@ def main(args: argparse.Namespace) -> list[dict]:
             antithetic=antithetic,
         )
 
-    def svi(loss, svi_class: type) -> SVI:
-        return svi_class(problem.model, problem.guide(), pyro.optim.Adam({"lr": args.svi_lr}), loss)
+    def svi(particles: int, svi_class: type) -> SVI:
+        return svi_class(
+            problem.model, problem.guide(), pyro.optim.Adam({"lr": args.svi_lr}), loss(particles)
+        )
+
+    def frozen(particles: int, antithetic: bool) -> FrozenNoiseOptimum:
+        return FrozenNoiseOptimum(problem, loss(particles), antithetic)
 
     rows, lines = [], []
     for particles in ints(args.particles):
-        loss = TraceMeanField_ELBO(num_particles=particles, vectorize_particles=True)
         methods = {}
         for antithetic in {"off": [False], "on": [True], "both": [False, True]}[args.antithetic]:
             tag = ", antithetic" if antithetic else ""
             for rule in names(args.rules):
-                methods[f"PDVI {rule}{tag}"] = partial(pdvi, loss, rule, antithetic)
+                methods[f"PDVI {rule}{tag}"] = partial(pdvi, particles, rule, antithetic)
             methods[f"SVI+Adam lr={args.svi_lr:g}{tag}"] = partial(
-                svi, loss, AntitheticSVI if antithetic else SVI
+                svi, particles, AntitheticSVI if antithetic else SVI
             )
             if args.frozen:
-                methods[f"fixed-noise optimum{tag}"] = partial(FrozenNoiseOptimum, problem, loss, antithetic)
+                methods[f"fixed-noise optimum{tag}"] = partial(frozen, particles, antithetic)
         for name, make_algo in methods.items():
             errors, seconds = [], 0.0
             for seed in range(args.seeds):
