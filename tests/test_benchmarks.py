@@ -247,6 +247,8 @@ def test_gpu_benchmark_reports_a_failing_section_and_goes_on(tmp_path, monkeypat
 
 def test_gpu_benchmark_checks_its_arguments(tmp_path):
     module = load_script(BENCHMARKS / "gpu.py")
+    # Without a GPU the default device is the CPU.
+    assert module.parse_args([]).device == ("cuda" if torch.cuda.is_available() else "cpu")
     args = module.parse_args(["--device", "cpu", "--points", "41", "--blocks", "2", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--points 41 must be a multiple of --blocks 2"):
         module.main(args)
