@@ -6,13 +6,12 @@ one GPU per rank)::
     torchrun --nproc_per_node=2 examples/distributed_gmm.py --epochs 10
 
 Every rank builds the same data and model, owns the blocks ``rank, rank + R, ...``
-(``R`` ranks) and, in each step, solves one of its blocks with the closed-form
-:class:`~pyro_pdvi.models.GMMBlockSolver`; the global update is one all-reduce,
-so all ranks hold the same ``lambda_0`` after every step. Rank 0 prints, after
-each epoch, the exact negative-ELBO gap to the full-batch CAVI optimum and the
-W2 distance between true and fitted mixtures, and ``--checkpoint DIR`` makes
-every rank save its state and param store after each epoch (``--resume`` loads
-them).
+(``R`` ranks) and, in each step of ``DistributedPDVI.run``, solves one of its blocks with
+the closed-form ``GMMBlockSolver``; the global update is one all-reduce, so all ranks hold
+the same ``lambda_0`` after every step. Rank 0 prints, after each epoch, the exact
+negative-ELBO gap to the full-batch CAVI optimum and the W2 distance between true and
+fitted mixtures, and ``--checkpoint DIR`` makes every rank save its state and param store
+after each epoch (``--resume`` goes on from them: the block order is part of the state).
 """
 
 from __future__ import annotations
@@ -29,16 +28,15 @@ import torch.distributed as dist
 from pyro.infer import TraceEnum_ELBO
 
 from pyro_pdvi.distributed import DistributedPDVI
-from pyro_pdvi.models import (
+from pyro_pdvi.models.gmm import (
     GMMBlockSolver,
     GMMModel,
     cavi,
+    fitted_w2,
     make_biased_gmm,
     negative_elbo,
-    predictive_components,
-    wasserstein_gmm,
+    optimal_logits,
 )
-from pyro_pdvi.models.gmm import expected_log_likelihood
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,7 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=10, help="d, data dimension")
     parser.add_argument("--block-size", type=int, default=1000, help="points per fixed block")
     parser.add_argument("--purity", type=float, default=0.95, help="share of a block's dominant cluster")
-    parser.add_argument("--epochs", type=int, default=10, help="passes over the data")
+    parser.add_argument(
+        "--epochs", type=int, default=10, help="passes over the data (in all, resumed ones too)"
+    )
     parser.add_argument(
         "--backend", default="gloo", help="torch.distributed backend: gloo (CPU) or nccl (GPU)"
     )
@@ -63,64 +63,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.backend == "nccl" else "cpu"
     if args.backend == "nccl":
         torch.cuda.set_device(device)
     torch.set_default_dtype(torch.float64)
-    pyro.set_rng_seed(args.seed)
+    pyro.set_rng_seed(args.seed)  # PDVI's own generator is broadcast from rank 0
 
     data = make_biased_gmm(
         args.num_data, args.num_components, args.dim, args.block_size, args.purity, seed=args.seed
     )
-    if len(data.blocks) % world:
-        raise SystemExit(f"{len(data.blocks)} blocks do not split evenly over {world} ranks")
-    x, prior = data.data.to(device), data.prior.to(device=device)
+    x, prior, centers = data.data.to(device), data.prior.to(device=device), data.centers.to(device)
     gmm = GMMModel(x, prior, seed=args.seed)
     pdvi = DistributedPDVI(
         gmm.model,
         gmm.guide,
         pyro.optim.Adam({"lr": 0.01}),
         TraceEnum_ELBO(max_plate_nesting=1),
-        blocks=data.blocks,
+        blocks=[b.to(device) for b in data.blocks],
         groups="per_site",
-        local_solver=GMMBlockSolver(x, prior),
-        global_update="paper",
+        solver=GMMBlockSolver(x, prior),
     )
     state_file = None if args.checkpoint is None else args.checkpoint / f"rank{rank}.pt"
-    first_epoch = 0
+    done = 0
     if args.resume and state_file is not None:
         saved = torch.load(state_file, weights_only=False)
         pyro.get_param_store().set_state(saved["param_store"])
-        pdvi.load_state_dict(saved["pdvi"])
-        first_epoch = saved["epoch"] + 1
-    optimum = cavi(x, prior, num_iterations=5000).losses[-1] if rank == 0 else None
+        pdvi.load_state_dict(saved["pdvi"])  # applied at the first step
+        done = saved["epoch"]
+    optimum = float(cavi(x, prior, num_iterations=5000).losses[-1]) if rank == 0 else None
+    start = time.perf_counter()
 
-    order = torch.Generator().manual_seed(args.seed + rank)
-    for epoch in range(first_epoch, args.epochs):
-        start = time.perf_counter()
-        owned = torch.tensor(pdvi.owned_blocks)
-        for b in owned[torch.randperm(len(owned), generator=order)].tolist():
-            pdvi.step(data.blocks[b].to(device))
-        seconds = time.perf_counter() - start
+    def after_epoch(epoch: int, loss: float) -> None:
+        nonlocal start
+        seconds, epoch = time.perf_counter() - start, done + epoch
         if state_file is not None:
             state_file.parent.mkdir(parents=True, exist_ok=True)
             store = pyro.get_param_store().get_state()
             torch.save({"epoch": epoch, "pdvi": pdvi.state_dict(), "param_store": store}, state_file)
         if rank == 0:
-            m, rho = pyro.param("m").detach(), pyro.param("rho").detach()
-            # Judge the globals alone: locals re-solved in closed form for every datum.
-            alpha = torch.log_softmax(expected_log_likelihood(x, prior, m, rho), -1)
-            gap = float(negative_elbo(x, prior, m, rho, alpha) - optimum) / abs(float(optimum))
-            w2 = wasserstein_gmm(
-                data.centers.cpu(), prior.sigma0_sq.cpu(), *predictive_components(prior, m, rho)
-            )
-            print(f"epoch {epoch + 1:3d}  relative -ELBO gap {gap:.2e}  W2 {float(w2):.4f}  {seconds:.2f} s")
+            with torch.no_grad():  # judge the globals alone: q(z) re-solved in closed form
+                m, rho = pyro.param("m"), pyro.param("rho")
+                gap = (
+                    float(negative_elbo(x, prior, m, rho, optimal_logits(x, prior, m, rho))) - optimum
+                ) / abs(optimum)
+                w2 = fitted_w2(prior, centers, m, rho)
+            print(f"epoch {epoch:3d}  relative -ELBO gap {gap:.2e}  W2 {w2:.4f}  {seconds:.2f} s", flush=True)
+        start = time.perf_counter()
+
+    if args.epochs > done:
+        pdvi.run(args.epochs - done, callback=after_epoch, progress_bar=False)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main(parse_args())

@@ -28,13 +28,18 @@ def free_port() -> int:
 
 def launch(out, extra, timeout=120):
     """Run both ranks; return their (returncode, stderr) and the wall time."""
+    import os
+
     port = free_port()
+    # The workers import this checkout's pyro_pdvi, whatever is installed.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), str(rank), "2", str(port), str(out), *extra.get(rank, ())],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=env,
         )
         for rank in range(2)
     ]

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, in one run on a CUDA machine whose Python has torch but
-# not Pyro and no network (docs/benchmarks.md, sections 5, 7 and 10):
+# not Pyro and no network (docs/benchmarks.md, sections 5, 7 and 10). From the repository root:
 #
-#   bash examples/device_checks.sh WHEEL_FOLDER OUT_FOLDER
+#   bash benchmarks/device_checks.sh WHEEL_FOLDER OUT_FOLDER
 #
 # WHEEL_FOLDER holds pyro-ppl and pyro-api wheels for that Python (see the docstring of
-# examples/gpu_benchmark.py); results land in OUT_FOLDER: the CUDA tests, the GPU benchmark
+# benchmarks/gpu.py); results land in OUT_FOLDER: the CUDA tests, the GPU benchmark
 # table, and the spatial-domains figures and timings at 20k and 150k spots.
 set -uo pipefail
 wheels=${1:?give the folder of wheel files}
@@ -20,7 +20,7 @@ export PYTHONPATH=/tmp/site:$PWD
 } | tee "$out/machine.txt"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/spatial/test_fit.py -k cuda \
     2>&1 | tee "$out/pytest_cuda.txt"
-timeout 240 python3 examples/gpu_benchmark.py --device cuda --budget 200 --out "$out" \
+timeout 240 python3 benchmarks/gpu.py --device cuda --budget 200 --out "$out" \
     2>&1 | tee "$out/gpu_benchmark.txt"
-timeout 200 python3 examples/spatial_domains.py --device cuda --quiet --out "$out/spatial" \
+timeout 200 python3 benchmarks/spatial_domains.py --device cuda --quiet --out "$out/spatial" \
     2>&1 | tee "$out/spatial_domains.txt"

@@ -12,16 +12,15 @@ b. ``closed-form``: one PD-VI epoch (every block once) with :class:`GMMBlockSolv
    and ``--sweeps`` coordinate-descent sweeps per block,
 
    * through ``PDVI.step`` with m blocks per step (``--blocks-per-step``; "all" = one
-     step over every block, which the engine solves in one ``solve_batch`` call);
-   * through direct solver calls: the loop of ``solver(problem)`` over the blocks
-     (``loop``), and ``solver.solve_batch`` over m blocks at a time (``batched``);
-   * ``engine overhead``: per step, the time of ``PDVI.step`` minus the solver's time
-     inside it, and the engine's parts (running the guide up to the data plate to read
-     the subsample, finding its blocks, stacking the batch, the dual/global update).
+     step over every block, which the engine hands to one ``solver.solve`` call);
+   * through direct ``solver.solve(problem)`` calls, each on a ``BlockProblem`` of m blocks;
+   * ``engine``: per step, the time of ``PDVI.step`` minus the solver's time inside it,
+     and the engine's parts (running the guide up to the data plate to read the
+     subsample, finding its blocks, building the ``BlockProblem``, the dual/global update).
 c. ``generic``: one ``PDVI.step`` on one block through Pyro's ``TraceEnum_ELBO`` with
-   the L-BFGS primal solve (``--inner-steps`` iterations); ``generic-vmap``: one step
-   over 8 equal blocks with ``vectorize_blocks=True`` (one ``vmap`` pass, each block its
-   own L-BFGS, :func:`~pyro_pdvi.infer.lbfgs.batched_lbfgs`).
+   ``GenericSolver`` (L-BFGS, ``--inner-steps`` evaluations); ``generic-vmap``: one step
+   over 8 equal blocks with ``GenericSolver(vectorize=True)`` (one ``vmap`` pass, each block
+   its own L-BFGS, :func:`~pyro_pdvi.infer.solvers.batched_lbfgs`).
 d. ``svi``: one ``pyro.infer.SVI.step`` with Adam on one block (the same model, guide
    and ELBO).
 e. ``floor``: the bytes an epoch must move (each sweep reads every block's data once;
@@ -47,8 +46,8 @@ pip) and ``/tmp/site`` is appended to ``sys.path``. The tests then run with
 
 Example::
 
-    python examples/gpu_benchmark.py --device cuda --points 10000000 --blocks 100 --out results
-    python examples/gpu_benchmark.py --device cpu --points 1000000 --blocks 100 --threads 1
+    python benchmarks/gpu.py --device cuda --points 10000000 --blocks 100 --out results
+    python benchmarks/gpu.py --device cpu --points 1000000 --blocks 100 --threads 1
 """
 
 from __future__ import annotations
@@ -78,7 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--wheels", default=None, help="folder of wheel files to install Pyro from")
     parser.add_argument("--site", default="/tmp/site", help="where --wheels installs to")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="torch device (default: cuda if available, else cpu)",
+    )
     parser.add_argument("--dtype", default=None, help="float32 or float64 (default: float32 on a GPU)")
     parser.add_argument("--points", type=int, default=10_000_000, help="N, data points")
     parser.add_argument("--blocks", type=int, default=100, help="number of equal-size blocks")
@@ -88,12 +91,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--blocks-per-step", default="1,10,all", help="m values for the closed-form epoch (comma list)"
     )
-    parser.add_argument("--inner-steps", type=int, default=10, help="L-BFGS iterations of the generic step")
+    parser.add_argument(
+        "--inner-steps", type=int, default=10, help="GenericSolver(inner_steps=...): evaluations per solve"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds; later sections are skipped")
-    parser.add_argument("--sections", default="cavi,closed-form,engine,generic,generic-vmap,svi,floor")
+    parser.add_argument(
+        "--sections",
+        default="cavi,closed-form,engine,generic,generic-vmap,svi,floor",
+        help="sections to run, comma list (see above)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="data and initialisation seed")
     parser.add_argument("--out", default="results", help="folder for gpu_benchmark.csv")
     return parser.parse_args(argv)
 
@@ -255,12 +264,9 @@ class Setup:
 
 def cavi_pass(data, prior, m, rho):
     """One CAVI pass: responsibilities, then the conjugate update of q(c) given them."""
-    from pyro_pdvi.models.gmm import expected_log_likelihood
+    from pyro_pdvi.models.gmm import conjugate_update, optimal_logits
 
-    phi = torch.softmax(expected_log_likelihood(data, prior, m, rho), -1)
-    precision = phi.sum(0)[:, None] / prior.sigma0_sq + prior.sigma1_sq.reciprocal()
-    m = prior.xi + (phi.T @ (data - prior.xi)) / prior.sigma0_sq / precision
-    return m, -precision.log()
+    return conjugate_update(data, prior, optimal_logits(data, prior, m, rho).exp())
 
 
 def run_cavi(bench: Bench, setup: Setup) -> None:
@@ -279,26 +285,15 @@ def run_cavi(bench: Bench, setup: Setup) -> None:
     bench.add("cavi", "ten CAVI passes", "", setup.num_data, seconds, "the target: PD-VI epoch <= 3x this")
 
 
-def make_pdvi(setup: Setup, local_solver=None, inner_steps: int = 10, vectorize_blocks: bool = False):
+def make_pdvi(setup: Setup, solver):
+    """PDVI on the GMM with fixed step sizes (no curvature measurement in the timings)."""
     import pyro
-    from pyro.infer import TraceEnum_ELBO
 
-    from pyro_pdvi import PDVI
+    from benchmarks.common import gmm_pdvi
 
     pyro.clear_param_store()
-    return PDVI(
-        setup.gmm.model,
-        setup.gmm.guide,
-        pyro.optim.Adam({"lr": 0.01}),
-        TraceEnum_ELBO(max_plate_nesting=1),
-        blocks=setup.blocks,
-        eta=1e-2,
-        groups=[{"sites": ["rho"], "eta": 1e-1}],
-        local_solver=local_solver,
-        global_update="paper",
-        inner_steps=inner_steps,
-        vectorize_blocks=vectorize_blocks,
-    )
+    groups = [{"sites": ["rho"], "eta": 1e-1}]
+    return gmm_pdvi(setup.gmm, setup.blocks, eta=1e-2, groups=groups, solver=solver, global_update="paper")
 
 
 def step_subsamples(setup: Setup, per_step: int) -> list[torch.Tensor]:
@@ -317,13 +312,36 @@ def blocks_per_step_values(args: argparse.Namespace) -> list[int]:
     return values
 
 
+def block_problems(setup: Setup, per_step: int) -> list:
+    """An epoch's subproblems, ``per_step`` blocks each, at the initial point (zero duals)."""
+    from pyro_pdvi import BlockProblem
+
+    consensus = {"m": setup.gmm.init_means, "rho": setup.gmm.init_log_variances}
+    step_sizes = {"m": torch.full_like(consensus["m"], 1e-2), "rho": torch.full_like(consensus["rho"], 1e-1)}
+    problems = []
+    for start in range(0, len(setup.blocks), per_step):
+        ids = torch.arange(start, start + per_step)
+        indices = torch.stack([setup.blocks[b] for b in ids.tolist()])
+        problems.append(
+            BlockProblem(
+                blocks=ids,
+                indices=indices,
+                consensus=consensus,
+                dual={k: v.new_zeros(per_step, *v.shape) for k, v in consensus.items()},
+                step_sizes=step_sizes,
+                local={"alpha": setup.gmm.init_logits[indices]},
+                num_blocks=len(setup.blocks),
+                num_data=setup.num_data,
+            )
+        )
+    return problems
+
+
 def run_closed_form(bench: Bench, setup: Setup) -> None:
-    from pyro_pdvi import BlockBatch, BlockProblem
     from pyro_pdvi.models.gmm import GMMBlockSolver
 
-    args, n = bench.args, len(setup.blocks)
-    solver = GMMBlockSolver(setup.data, setup.prior, num_sweeps=args.sweeps)
-    for per_step in blocks_per_step_values(args):
+    solver = GMMBlockSolver(setup.data, setup.prior, num_sweeps=bench.args.sweeps)
+    for per_step in blocks_per_step_values(bench.args):
         pdvi = make_pdvi(setup, solver)
         subsamples = step_subsamples(setup, per_step)
 
@@ -331,70 +349,21 @@ def run_closed_form(bench: Bench, setup: Setup) -> None:
             for subsample in subsamples:
                 pdvi.step(subsample)
 
-        path = "loop of solver calls" if per_step == 1 else "solve_batch"
-        bench.add(
-            "closed-form", f"PD-VI epoch via PDVI.step ({path})", per_step, setup.num_data, bench.time(epoch)
-        )
+        path = "one block per solve" if per_step == 1 else f"{per_step} blocks per solve"
+        seconds = bench.time(epoch)
+        bench.add("closed-form", f"PD-VI epoch via PDVI.step ({path})", per_step, setup.num_data, seconds)
 
     # Direct solver calls: the same subproblems without the engine around them.
-    consensus = {"m": setup.gmm.init_means, "rho": setup.gmm.init_log_variances}
-    step_sizes = {"m": torch.full_like(consensus["m"], 1e-2), "rho": torch.full_like(consensus["rho"], 1e-1)}
-    logits = setup.gmm.init_logits
+    for per_step in blocks_per_step_values(bench.args):
+        problems = block_problems(setup, per_step)
 
-    def problem(b):
-        return BlockProblem(
-            block=b,
-            indices=setup.blocks[b],
-            consensus=consensus,
-            dual={k: torch.zeros_like(v) for k, v in consensus.items()},
-            step_sizes=step_sizes,
-            local={"alpha": logits[setup.blocks[b]]},
-            num_blocks=n,
-            num_data=setup.num_data,
-        )
+        def direct(problems=problems):
+            for problem in problems:
+                solver.solve(problem)
 
-    problems = [problem(b) for b in range(n)]
-
-    def loop():
-        for p in problems:
-            solver(p)
-
-    bench.add(
-        "closed-form", "PD-VI epoch via direct solver(problem) loop", 1, setup.num_data, bench.time(loop)
-    )
-
-    for per_step in blocks_per_step_values(args):
-        if per_step == 1:
-            continue
-        batches = []
-        for start in range(0, n, per_step):
-            ids = list(range(start, start + per_step))
-            indices = torch.stack([setup.blocks[b] for b in ids])
-            batches.append(
-                BlockBatch(
-                    blocks=torch.tensor(ids),
-                    indices=indices,
-                    consensus=consensus,
-                    dual={
-                        k: torch.zeros(per_step, *v.shape, dtype=v.dtype, device=v.device)
-                        for k, v in consensus.items()
-                    },
-                    step_sizes=step_sizes,
-                    local={"alpha": logits[indices]},
-                    num_blocks=n,
-                    num_data=setup.num_data,
-                )
-            )
-
-        def batched(batches=batches):
-            for batch in batches:
-                solver.solve_batch(batch)
-
-        seconds = bench.time(batched)
-        bench.add(
-            "closed-form", "PD-VI epoch via direct solver.solve_batch", per_step, setup.num_data, seconds
-        )
-        del batches
+        seconds = bench.time(direct)
+        bench.add("closed-form", "PD-VI epoch via direct solver.solve", per_step, setup.num_data, seconds)
+        del problems
 
 
 class Timed:
@@ -422,21 +391,19 @@ def run_engine(bench: Bench, setup: Setup) -> None:
         solver = GMMBlockSolver(setup.data, setup.prior, num_sweeps=args.sweeps)
         pdvi = make_pdvi(setup, solver)
         subsamples = step_subsamples(setup, per_step)
-        pdvi.step(subsamples[0])  # setup happens here
+        pdvi.step(subsamples[0])  # set-up happens here
         parts = {
             "find the subsample (guide up to the data plate)": ("_step_subsample", pdvi),
             "find blocks (blocks_in)": ("blocks_in", pdvi.partition),
-            "stack batch (_block_batch)": ("_block_batch", pdvi),
+            "build the BlockProblem (_problem)": ("_problem", pdvi),
             "dual+global update, param store (_commit)": ("_commit", pdvi),
         }
         timers = {}
         for label, (attribute, owner) in parts.items():
             timers[label] = Timed(bench, getattr(owner, attribute))
             setattr(owner, attribute, timers[label])
-        solve = Timed(bench, solver.solve_batch)
-        solver.solve_batch = solve
-        call = Timed(bench, solver.__call__)
-        pdvi.local_solver = _CallOnly(call, solve)
+        solve = Timed(bench, solver.solve)
+        solver.solve = solve
         steps = subsamples[: max(1, min(len(subsamples), 20))]
         bench.sync()
         start = time.perf_counter()
@@ -446,7 +413,7 @@ def run_engine(bench: Bench, setup: Setup) -> None:
         total = time.perf_counter() - start
         count = len(steps)
         points = per_step * setup.block_size
-        inside = (solve.seconds + call.seconds) / count
+        inside = solve.seconds / count
         bench.add("engine", "PDVI.step, whole step", per_step, points, total / count)
         bench.add("engine", "  solver inside the step", per_step, points, inside)
         bench.add("engine", "  engine overhead (step - solver)", per_step, points, total / count - inside)
@@ -455,22 +422,14 @@ def run_engine(bench: Bench, setup: Setup) -> None:
                 bench.add("engine", f"    {label}", per_step, points, timer.seconds / count)
 
 
-class _CallOnly:
-    """A local solver with timed ``__call__`` and ``solve_batch``."""
-
-    def __init__(self, call: Timed, solve_batch: Timed) -> None:
-        self._call, self.solve_batch = call, solve_batch
-
-    def __call__(self, problem):
-        return self._call(problem)
-
-
 def run_generic(bench: Bench, setup: Setup, per_step: int = 1) -> None:
-    """Generic-path steps (L-BFGS through ``TraceEnum_ELBO``): one block per step, or
-    ``per_step`` equal blocks in one vmapped pass, each block its own L-BFGS
-    (``vectorize_blocks=True``; ``batched_lbfgs``, no host read in its loop)."""
+    """Generic-path steps (``GenericSolver``: L-BFGS through ``TraceEnum_ELBO``): one block per
+    step, or ``per_step`` equal blocks in one vmapped pass, each block its own L-BFGS
+    (``vectorize=True``; ``batched_lbfgs``, no host read in its loop)."""
+    from pyro_pdvi import GenericSolver
+
     vectorize = per_step > 1
-    pdvi = make_pdvi(setup, None, inner_steps=bench.args.inner_steps, vectorize_blocks=vectorize)
+    pdvi = make_pdvi(setup, GenericSolver(bench.args.inner_steps, vectorize=vectorize))
     steps = step_subsamples(setup, min(per_step, len(setup.blocks)))
     steps = [s for s in steps if len(s) == len(steps[0])]
     counter = iter(range(10**9))
@@ -482,11 +441,11 @@ def run_generic(bench: Bench, setup: Setup, per_step: int = 1) -> None:
         warnings.simplefilter("ignore")  # the one-particle warning: this is a timing
         seconds = bench.time(step, repeats=min(bench.args.repeats, 3))
     blocks = len(steps[0]) // setup.block_size
+    note = f"L-BFGS, {bench.args.inner_steps} evaluations, TraceEnum_ELBO"
     if vectorize:
-        note = f"vmap + per-block L-BFGS, {bench.args.inner_steps} evaluations, TraceEnum_ELBO"
+        note = "vmap + per-block " + note
         bench.add("generic-vmap", "PDVI.step, generic path, vectorized", blocks, len(steps[0]), seconds, note)
     else:
-        note = f"L-BFGS, {bench.args.inner_steps} iterations, TraceEnum_ELBO"
         bench.add("generic", "PDVI.step, generic path, one block", 1, setup.block_size, seconds, note)
 
 

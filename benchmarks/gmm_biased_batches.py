@@ -17,9 +17,9 @@ order each epoch (one epoch = one pass over the data):
             vectorize_particles=True)``), each over a learning-rate grid.
 * PD-VI / P2D-VI  ``pyro_pdvi.PDVI`` with ``eta="auto"`` (no tuning): one step-size
             group (PD-VI) or one per site (P2D-VI, ``groups="per_site"``), with the
-            closed-form block solver ``GMMBlockSolver`` and, on a reduced data set
+            closed-form block solver (``solver=GMMBlockSolver(data, prior)``) and, on a reduced data set
             (``--generic-num-data``, first seed only), through the generic Pyro path
-            (L-BFGS primal solve of the same ELBO), which costs about 1 s per 1,000
+            (``GenericSolver``: L-BFGS on the same ELBO), which costs about 1 s per 1,000
             points per epoch on one CPU thread.
 
 Metrics after every epoch: W2 between the true mixture N(c_k, Sigma_0) and the fitted
@@ -42,38 +42,55 @@ it Pyro SVI with 16 particles on 100 blocks per epoch; ``docs/benchmarks.md`` se
 shows how it was split into parallel parts with ``--methods`` and merged with
 ``--from-csv``)::
 
-    python examples/gmm_biased_batches.py --num-data 100000 --epochs 30 --seeds 0,1,2 \\
+    python benchmarks/gmm_biased_batches.py --num-data 100000 --epochs 30 --seeds 0,1,2 \\
         --purities 0.95,1.0 --generic-num-data 5000 --generic-epochs 10 --out results
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import statistics
-import time
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-import pyro
-import torch
-from pyro.infer import SVI, TraceEnum_ELBO
+if __package__ in (None, ""):
+    # Run as a script: import this checkout's benchmarks and pyro_pdvi, not an installed copy.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyro_pdvi import PDVI
-from pyro_pdvi.models import (
-    GMMBlockSolver,
-    GMMModel,
-    GMMNaturalGradientSVI,
-    adjusted_rand_index,
-    cavi,
-    make_biased_gmm,
-    negative_elbo,
-    predictive_components,
-    wasserstein_gmm,
+import pyro  # noqa: E402
+import torch  # noqa: E402
+from pyro.infer import SVI  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    SCORE_KEYS,
+    GMMProblem,
+    add_gmm_data_arguments,
+    add_step_size_arguments,
+    append_csv,
+    auto_step_size,
+    cost_split,
+    floats,
+    gmm_elbo,
+    gmm_pdvi,
+    gmm_problem_from,
+    ints,
+    markdown_table,
+    names,
+    pyplot,
+    read_csv,
+    run_epochs,
+    save_figure,
+    script_parser,
+    setup_torch,
+    step_sizes_text,
+    write_csv,
 )
-from pyro_pdvi.models.gmm import expected_log_likelihood
+from pyro_pdvi import PDVI, GenericSolver  # noqa: E402
+from pyro_pdvi.baselines import GMMNaturalGradientSVI  # noqa: E402
+from pyro_pdvi.models.gmm import GMMBlockSolver, cavi  # noqa: E402
 
 #: Method names in table order.
 METHODS = (
@@ -90,35 +107,22 @@ METHODS = (
 )
 
 
-def floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
-
-
-def ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
+#: ``--antithetic`` as ``PDVI(antithetic=...)`` takes it.
+ANTITHETIC = {"auto": "auto", "on": True, "off": False}
 
 
 def pairs(text: str) -> list[tuple[float, float]]:
-    out = []
-    for item in text.split(","):
-        tau, kappa = item.split(":")
-        out.append((float(tau), float(kappa)))
-    return out
+    """A comma list of ``tau:kappa`` pairs."""
+    return [(float(tau), float(kappa)) for tau, kappa in (item.split(":") for item in names(text))]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     data = parser.add_argument_group("data")
-    data.add_argument("--num-data", type=int, default=10000, help="N, data points (flagship: 100000)")
-    data.add_argument("--num-components", type=int, default=5, help="K, mixture components")
-    data.add_argument("--dim", type=int, default=10, help="d, data dimension")
-    data.add_argument("--block-size", type=int, default=1000, help="points per fixed block (one step)")
+    add_gmm_data_arguments(data, num_data=10000, dim=10, block_size=1000, separation=1.0, purity=False)
     data.add_argument(
         "--purities", default="0.95,1.0", help="comma list: share of each block from its dominant cluster"
     )
-    data.add_argument("--separation", type=float, default=1.0, help="prior sd of the true centres / noise sd")
     data.add_argument("--seeds", default="0", help="comma list of seeds (data, initial means, block order)")
     run = parser.add_argument_group("run")
     run.add_argument("--epochs", type=int, default=10, help="passes over the data for every method")
@@ -156,18 +160,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="paper",
         help="PDVI global update(s), comma list of paper, consensus (GMMBlockSolver recommends paper)",
     )
-    run.add_argument("--eta-scale", type=float, default=2.0, help="PDVI eta = eta_scale / measured curvature")
+    add_step_size_arguments(run)
     run.add_argument(
-        "--curvature-blocks", type=int, default=4, help="blocks PDVI's eta='auto' measures (max is used)"
-    )
-    run.add_argument(
-        "--curvature-iterations", type=int, default=6, help="Lanczos iterations of PDVI's eta='auto'"
-    )
-    run.add_argument(
-        "--remeasure-epochs",
-        type=lambda text: tuple(float(v) for v in text.split(",") if v),
-        default=(),
-        help="PDVI remeasure_epochs, a comma list of epochs (default: none)",
+        "--antithetic",
+        choices=tuple(ANTITHETIC),
+        default="auto",
+        help="PDVI(antithetic=...): antithetic particle pairs; auto (PDVI's default) is on for an even "
+        "number of vectorized particles",
     )
     run.add_argument("--sweeps", type=int, default=10, help="coordinate-descent sweeps of GMMBlockSolver")
     run.add_argument(
@@ -178,7 +177,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(0 skips it; it costs about 1 s per 1,000 points per epoch)",
     )
     run.add_argument("--generic-epochs", type=int, default=5, help="epochs of the generic-path PDVI runs")
-    run.add_argument("--inner-steps", type=int, default=10, help="L-BFGS iterations of a generic PDVI solve")
+    run.add_argument(
+        "--inner-steps",
+        type=int,
+        default=10,
+        help="GenericSolver(inner_steps=...) of the generic PDVI runs: evaluations of the block "
+        "objective per L-BFGS solve",
+    )
     run.add_argument(
         "--methods",
         default="",
@@ -198,275 +203,142 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# --------------------------------------------------------------------------- problem and metrics
-
-
-@dataclass
-class Problem:
-    """One data set with its CAVI reference, and the metrics of a fitted q(c)."""
-
-    purity: float
-    seed: int
-    synthetic: object
-    gmm: GMMModel
-    cavi_loss: float = 0.0
-    cavi_w2: float = 0.0
-    cavi_sweeps: int = 0
-    cavi_converged: bool = False
-
-    @property
-    def data(self) -> torch.Tensor:
-        return self.synthetic.data
-
-    @property
-    def prior(self):
-        return self.synthetic.prior
-
-    @property
-    def blocks(self) -> list[torch.Tensor]:
-        return self.synthetic.blocks
-
-    def w2(self, m: torch.Tensor, rho: torch.Tensor) -> float:
-        true_var = self.prior.sigma0_sq.expand_as(self.synthetic.centers)
-        return wasserstein_gmm(self.synthetic.centers, true_var, *predictive_components(self.prior, m, rho))
-
-    @torch.no_grad()
-    def score(self, m: torch.Tensor, rho: torch.Tensor, own_alpha: torch.Tensor | None = None) -> dict:
-        m, rho = m.detach(), rho.detach()
-        alpha = torch.log_softmax(expected_log_likelihood(self.data, self.prior, m, rho), -1)
-        loss = float(negative_elbo(self.data, self.prior, m, rho, alpha))
-        own = loss if own_alpha is None else float(negative_elbo(self.data, self.prior, m, rho, own_alpha))
-        w2 = self.w2(m, rho)
-        scale = abs(self.cavi_loss)
-        return {
-            "w2": w2,
-            "w2_ratio": w2 / self.cavi_w2,
-            "gap": (loss - self.cavi_loss) / scale,
-            "gap_own": (own - self.cavi_loss) / scale,
-            "ari": adjusted_rand_index(self.synthetic.labels, alpha.argmax(-1)),
-        }
-
-
-def make_problem(num_data: int, purity: float, seed: int, args: argparse.Namespace) -> Problem:
-    synthetic = make_biased_gmm(
-        num_data,
-        args.num_components,
-        args.dim,
-        args.block_size,
-        purity,
-        seed=seed,
-        separation=args.separation,
-    )
-    synthetic = synthetic._replace(
-        data=synthetic.data.to(args.device),
-        prior=synthetic.prior.to(device=args.device),
-        centers=synthetic.centers.to(args.device),
-    )
-    gmm = GMMModel(synthetic.data, synthetic.prior, seed=seed)
-    reference = cavi(
-        synthetic.data,
-        synthetic.prior,
-        m=gmm.init_means.clone(),
-        rho=gmm.init_log_variances.clone(),
-        num_iterations=args.cavi_iterations,
-    )
-    problem = Problem(purity, seed, synthetic, gmm)
-    problem.cavi_loss = float(reference.losses[-1])
-    problem.cavi_w2 = problem.w2(reference.m, reference.rho)
-    problem.cavi_sweeps = len(reference.losses)
-    problem.cavi_converged = reference.converged
-    return problem
-
-
 # --------------------------------------------------------------------------- the methods
 
 
-class Stepper:
-    """A method as the training loop sees it: ``step(block)`` and ``state() -> (m, rho, alpha)``."""
+class CAVIStepper:
+    """Full-batch CAVI as the epoch loop sees it: one sweep per epoch."""
 
-    per_epoch = False
-
-    def step(self, block: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError
-
-    def describe(self) -> str:
-        return ""
-
-
-class CAVIStepper(Stepper):
     per_epoch = True
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: GMMProblem) -> None:
         self.problem = problem
         self.m = problem.gmm.init_means.clone()
         self.rho = problem.gmm.init_log_variances.clone()
 
-    def step(self, block=None) -> None:
+    def step(self, block: None) -> None:
         sweep = cavi(self.problem.data, self.problem.prior, m=self.m, rho=self.rho, num_iterations=1)
         self.m, self.rho = sweep.m, sweep.rho
 
-    def state(self):
-        return self.m, self.rho, None
+    def score(self) -> dict:
+        return self.problem.score(self.m, self.rho)
 
 
-class NaturalGradientStepper(Stepper):
-    def __init__(self, problem: Problem, **schedule) -> None:
+class NaturalGradientStepper(GMMNaturalGradientSVI):
+    """Natural-gradient SVI from the problem's start, scored by its own ``q(c)``."""
+
+    def __init__(self, problem: GMMProblem, **schedule) -> None:
         gmm = problem.gmm
-        self.svi = GMMNaturalGradientSVI(
-            problem.data, problem.prior, gmm.init_means, gmm.init_log_variances, **schedule
-        )
+        super().__init__(problem.data, problem.prior, gmm.init_means, gmm.init_log_variances, **schedule)
+        self.problem = problem
 
-    def step(self, block) -> None:
-        self.svi.step(block)
-
-    def state(self):
-        return self.svi.m, self.svi.rho, None
+    def score(self) -> dict:
+        return self.problem.score(self.m, self.rho)
 
 
-class PyroStepper(Stepper):
-    """Pyro's SVI or PDVI: both take the block as the data plate's subsample."""
-
-    def __init__(self, algorithm) -> None:
-        self.algorithm = algorithm
-
-    def step(self, block) -> None:
-        self.algorithm.step(block)
-
-    def state(self):
-        return pyro.param("m"), pyro.param("rho"), pyro.param("alpha")
-
-    def describe(self) -> str:
-        if isinstance(self.algorithm, PDVI):
-            return "eta " + ", ".join(f"{name}={eta:.3g}" for name, eta in self.algorithm.step_sizes.items())
-        return ""
+def score_of(problem: GMMProblem, stepper) -> dict:
+    """A method's scores: its own ``q(c)``, or the param store's (Pyro's SVI and PDVI, whose own
+    ``q(z)`` is the store's ``alpha``)."""
+    if hasattr(stepper, "score"):
+        return stepper.score()
+    return problem.score_params(with_own=True)
 
 
 def train(
-    problem: Problem,
+    problem: GMMProblem,
+    purity: float,
     method: str,
     setting: str,
-    make_stepper: Callable[[], Stepper],
+    make_stepper: Callable,
     epochs: int,
     quiet: bool,
     progress_path: Path | None = None,
 ) -> list[dict]:
     """Run one method for ``epochs`` passes; score after every epoch (appended to
-    ``progress_path`` as it comes, so a run stopped early leaves its epochs behind)."""
-    pyro.clear_param_store()
-    pyro.set_rng_seed(problem.seed)
-    stepper = make_stepper()
-    order = torch.Generator().manual_seed(problem.seed)
-    blocks = problem.blocks
-    rows, elapsed = [], 0.0
-    progress = range(1, epochs + 1)
-    if not quiet:
-        from tqdm.auto import tqdm
+    ``progress_path`` as it comes, so a run stopped early leaves its epochs behind).
 
-        progress = tqdm(progress, desc=f"p={problem.purity} s={problem.seed} {method} {setting}", leave=False)
-    diverged = False
-    for epoch in progress:
-        permutation = torch.randperm(len(blocks), generator=order).tolist()
-        start = time.perf_counter()
-        if not diverged:
-            try:
-                if stepper.per_epoch:
-                    stepper.step()
-                else:
-                    for b in permutation:
-                        stepper.step(blocks[b])
-            except (ValueError, RuntimeError) as error:
-                # A learning rate too large for the grid: Pyro refuses a non-positive scale,
-                # PDVI a non-finite step. Recorded as diverged (NaN), not a crash of the benchmark.
-                diverged = True
-                print(f"  {method} {setting} diverged in epoch {epoch}: {str(error).splitlines()[0][:120]}")
-        elapsed += time.perf_counter() - start
-        scores = problem.score(*stepper.state()) if not diverged else {}
-        if diverged or not all(math.isfinite(v) for v in scores.values()):
-            diverged = True
-            scores = {key: float("nan") for key in ("w2", "w2_ratio", "gap", "gap_own", "ari")}
-        rows.append(
-            {
-                "purity": problem.purity,
-                "seed": problem.seed,
-                "num_data": problem.data.shape[0],
-                "method": method,
-                "setting": setting,
-                "epoch": epoch,
-                "seconds": elapsed,
-                **scores,
-                "cavi_w2": problem.cavi_w2,
-            }
-        )
+    A learning rate too large for the grid makes Pyro refuse a non-positive scale, PDVI a
+    non-finite step: that run is recorded as diverged (NaN), not a crash of the benchmark."""
+    stepper = None
+    head = {
+        "purity": purity,
+        "seed": problem.seed,
+        "num_data": problem.data.shape[0],
+        "method": method,
+        "setting": setting,
+    }
+
+    def make() -> object:
+        nonlocal stepper
+        stepper = make_stepper()
+        return stepper
+
+    def record(row: dict) -> None:
         if progress_path is not None:
-            new_file = not progress_path.exists()
-            progress_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(progress_path, "a", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(rows[-1]))
-                if new_file:
-                    writer.writeheader()
-                writer.writerow(rows[-1])
-    detail = stepper.describe()
-    if detail:
-        for row in rows:
-            row["setting"] = f"{setting} ({detail})" if setting else detail
-    return rows
+            append_csv(as_row(head, row, problem), progress_path)
+
+    _, history = run_epochs(
+        make,
+        problem.blocks,
+        epochs,
+        problem.seed,
+        lambda epoch: score_of(problem, stepper),
+        callback=record,
+        catch=(ValueError, RuntimeError),
+        nan_keys=SCORE_KEYS,
+        label=f"p={purity} s={problem.seed} {method} {setting}",
+        progress=not quiet,
+    )
+    if isinstance(stepper, PDVI):
+        head["setting"] = f"{setting} (eta {step_sizes_text(stepper)})"
+    return [as_row(head, row, problem) for row in history]
+
+
+def as_row(head: dict, row: dict, problem: GMMProblem) -> dict:
+    """A per-epoch CSV row: the run, the epoch, the seconds, the scores, the CAVI optimum's W2."""
+    return {**head, **row, "cavi_w2": problem.cavi_w2}
 
 
 def runs_for(
-    problem: Problem, args: argparse.Namespace, generic: bool
+    problem: GMMProblem, args: argparse.Namespace, generic: bool
 ) -> list[tuple[str, str, Callable, int]]:
     """``(method, setting, make_stepper, epochs)`` for every run on ``problem``."""
-    gmm, epochs = problem.gmm, args.epochs
-
-    def elbo():
-        return TraceEnum_ELBO(max_plate_nesting=1, num_particles=args.particles, vectorize_particles=True)
-
-    def pdvi(groups, rule, local_solver):
-        return lambda: PyroStepper(
-            PDVI(
-                gmm.model,
-                gmm.guide,
-                pyro.optim.Adam({"lr": 0.01}),  # unused by a local solver or L-BFGS; PDVI requires one
-                elbo(),
-                blocks=problem.blocks,
-                eta="auto",
-                groups=groups,
-                eta_scale=args.eta_scale,
-                global_update=rule,
-                inner_steps=args.inner_steps,
-                local_solver=local_solver,
-                curvature_blocks=args.curvature_blocks,
-                curvature_iterations=args.curvature_iterations,
-                remeasure_epochs=args.remeasure_epochs,
-            )
-        )
-
-    rules = [r.strip() for r in args.global_update.split(",") if r.strip()]
+    gmm, blocks, epochs = problem.gmm, problem.blocks, args.epochs
+    pdvi = partial(
+        gmm_pdvi,
+        gmm,
+        blocks,
+        args.particles,
+        eta=auto_step_size(args),
+        antithetic=ANTITHETIC[args.antithetic],
+    )
+    rules = names(args.global_update)
     runs = []
     if generic:
+        solver = GenericSolver(inner_steps=args.inner_steps)
         for rule in rules:
-            runs.append(("PD-VI generic", rule, pdvi(None, rule, None), args.generic_epochs))
-            runs.append(("P2D-VI generic", rule, pdvi("per_site", rule, None), args.generic_epochs))
-        return runs
-    runs.append(("CAVI", "full batch", lambda: CAVIStepper(problem), epochs))
-    for tau, kappa in pairs(args.ng_decaying):
-        runs.append(
-            (
-                "NG-SVI decaying",
-                f"tau={tau:g} kappa={kappa:g}",
-                lambda tau=tau, kappa=kappa: NaturalGradientStepper(problem, tau=tau, kappa=kappa),
-                epochs,
+            runs.append(
+                ("PD-VI generic", rule, partial(pdvi, solver=solver, global_update=rule), args.generic_epochs)
             )
-        )
+            runs.append(
+                (
+                    "P2D-VI generic",
+                    rule,
+                    partial(pdvi, groups="per_site", solver=solver, global_update=rule),
+                    args.generic_epochs,
+                )
+            )
+        return runs
+    runs.append(("CAVI", "full batch", partial(CAVIStepper, problem), epochs))
+    for tau, kappa in pairs(args.ng_decaying):
+        make = partial(NaturalGradientStepper, problem, tau=tau, kappa=kappa)
+        runs.append(("NG-SVI decaying", f"tau={tau:g} kappa={kappa:g}", make, epochs))
     for step in floats(args.ng_constant):
         runs.append(
             (
                 "NG-SVI constant",
                 f"step={step:g}",
-                lambda step=step: NaturalGradientStepper(problem, step_size=step),
+                partial(NaturalGradientStepper, problem, step_size=step),
                 epochs,
             )
         )
@@ -476,7 +348,7 @@ def runs_for(
         "sgd": ("SVI+SGD", pyro.optim.SGD, floats(args.sgd_lrs), args.num_components / problem.data.shape[0]),
     }
     svi_seeds = ints(args.svi_seeds) if args.svi_seeds.strip() else None
-    optimizer_keys = [k.strip() for k in args.optimizers.split(",") if k.strip()]
+    optimizer_keys = names(args.optimizers)
     if svi_seeds is not None and problem.seed not in svi_seeds:
         optimizer_keys = []
     for key in optimizer_keys:
@@ -486,21 +358,25 @@ def runs_for(
         for value in grid:
             lr = value * unit
             setting = f"lr={value:g}xK/N" if key == "sgd" else f"lr={lr:g}"
-            runs.append(
-                (
-                    name,
-                    setting,
-                    lambda optim=optim, lr=lr: PyroStepper(
-                        SVI(gmm.model, gmm.guide, optim({"lr": lr}), elbo())
-                    ),
-                    args.svi_epochs or epochs,
-                )
-            )
+            make = partial(svi, gmm, optim, lr, args.particles)
+            runs.append((name, setting, make, args.svi_epochs or epochs))
     for rule in rules:
         solver = GMMBlockSolver(problem.data, problem.prior, num_sweeps=args.sweeps)
-        runs.append(("PD-VI closed-form", rule, pdvi(None, rule, solver), epochs))
-        runs.append(("P2D-VI closed-form", rule, pdvi("per_site", rule, solver), epochs))
+        runs.append(("PD-VI closed-form", rule, partial(pdvi, solver=solver, global_update=rule), epochs))
+        runs.append(
+            (
+                "P2D-VI closed-form",
+                rule,
+                partial(pdvi, groups="per_site", solver=solver, global_update=rule),
+                epochs,
+            )
+        )
     return runs
+
+
+def svi(gmm, optim, lr: float, particles: int) -> SVI:
+    """Pyro's SVI on ``GMMModel`` with ``optim({"lr": lr})``."""
+    return SVI(gmm.model, gmm.guide, optim({"lr": lr}), gmm_elbo(particles))
 
 
 # --------------------------------------------------------------------------- the table and the plot
@@ -508,11 +384,10 @@ def runs_for(
 
 def summarise(rows: list[dict]) -> list[dict]:
     """One line per (purity, method): the setting with the lowest mean final W2 over seeds."""
-    runs: dict[tuple, list[list[dict]]] = {}
+    runs: dict[tuple, dict[int, list[dict]]] = {}
     for row in rows:
-        runs.setdefault((row["purity"], row["method"], row["setting"].split(" (")[0]), {}).setdefault(
-            row["seed"], []
-        ).append(row)
+        key = (row["purity"], row["method"], row["setting"].split(" (")[0])
+        runs.setdefault(key, {}).setdefault(row["seed"], []).append(row)
     by_method: dict[tuple, list[tuple[float, str, list[list[dict]]]]] = {}
     for (purity, method, setting), seeds in runs.items():
         histories = list(seeds.values())
@@ -530,10 +405,6 @@ def summarise(rows: list[dict]) -> list[dict]:
             hit = next((r["epoch"] for r in history if r["w2_ratio"] <= 1.1), None)
             reached.append("-" if hit is None else str(hit))
         lasts = [h[-1] for h in histories]
-        steady = [
-            (h[-1]["seconds"] - h[0]["seconds"]) / (h[-1]["epoch"] - 1) if len(h) > 1 else h[0]["seconds"]
-            for h in histories
-        ]
         table.append(
             {
                 "purity": purity,
@@ -549,8 +420,8 @@ def summarise(rows: list[dict]) -> list[dict]:
                 "final_gap": statistics.fmean(r["gap"] for r in lasts),
                 "final_gap_own_qz": statistics.fmean(r["gap_own"] for r in lasts),
                 "final_ari": statistics.fmean(r["ari"] for r in lasts),
-                "first_epoch_s": statistics.fmean(h[0]["seconds"] for h in histories),
-                "s_per_epoch": statistics.median(steady),
+                "first_epoch_s": statistics.fmean(cost_split(h)[0] for h in histories),
+                "s_per_epoch": statistics.median(cost_split(h)[1] for h in histories),
                 "grid_size": len(candidates),
                 "diverged_settings": sum(not math.isfinite(c[0]) for c in candidates),
             }
@@ -559,28 +430,45 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def print_table(table: list[dict]) -> None:
-    header = (
-        "| purity | method | best setting | N | epochs | epochs to W2<=1.1xW2* (per seed) | final W2 (W2*) | "
-        "W2/W2* | -ELBO gap (q(z) re-solved) | -ELBO gap (own q(z)) | ARI | first epoch s | s/epoch |"
-    )
-    print(header + "\n|" + "---|" * 13)
-    for r in table:
-        print(
-            f"| {r['purity']:g} | {r['method']} | {r['setting']} | {r['N']} | {r['epochs']} | "
-            f"{r['epochs_to_1.1x_cavi_w2']} | {r['final_w2']:.4f} ({r['cavi_w2']:.4f}) | "
-            f"{r['final_w2_ratio']:.3f} | {r['final_gap']:.2e} | {r['final_gap_own_qz']:.2e} | "
-            f"{r['final_ari']:.3f} | {r['first_epoch_s']:.2f} | {r['s_per_epoch']:.3f} |"
-        )
+    header = [
+        "purity",
+        "method",
+        "best setting",
+        "N",
+        "epochs",
+        "epochs to W2<=1.1xW2* (per seed)",
+        "final W2 (W2*)",
+        "W2/W2*",
+        "-ELBO gap (q(z) re-solved)",
+        "-ELBO gap (own q(z))",
+        "ARI",
+        "first epoch s",
+        "s/epoch",
+    ]
+    lines = [
+        [
+            f"{r['purity']:g}",
+            r["method"],
+            r["setting"],
+            r["N"],
+            r["epochs"],
+            r["epochs_to_1.1x_cavi_w2"],
+            f"{r['final_w2']:.4f} ({r['cavi_w2']:.4f})",
+            f"{r['final_w2_ratio']:.3f}",
+            f"{r['final_gap']:.2e}",
+            f"{r['final_gap_own_qz']:.2e}",
+            f"{r['final_ari']:.3f}",
+            f"{r['first_epoch_s']:.2f}",
+            f"{r['s_per_epoch']:.3f}",
+        ]
+        for r in table
+    ]
+    print(markdown_table(header, lines))
 
 
 def plot(rows: list[dict], table: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     purities = sorted({r["purity"] for r in table})
     fig, axes = plt.subplots(len(purities), 3, figsize=(16, 4.2 * len(purities)), squeeze=False)
@@ -627,60 +515,37 @@ def plot(rows: list[dict], table: list[dict], path: Path) -> None:
         for ax in row_axes[:2]:
             ax.axhline(1.1, color="grey", lw=0.8, ls=":")
         row_axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path, dpi=100)
 
 
 # --------------------------------------------------------------------------- main
 
-NUMERIC = {"purity": float, "seed": int, "num_data": int, "epoch": int}
-
-
-def write_rows(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def read_rows(paths: str) -> list[dict]:
-    """Per-epoch rows of earlier runs, with their numbers parsed back."""
-    rows = []
-    for path in [p.strip() for p in paths.split(",") if p.strip()]:
-        with open(path, newline="") as f:
-            for row in csv.DictReader(f):
-                rows.append(
-                    {
-                        key: value if key in ("method", "setting") else NUMERIC.get(key, float)(value)
-                        for key, value in row.items()
-                    }
-                )
-    return rows
+#: How the per-epoch CSV's columns are read back (``--from-csv``).
+COLUMN_TYPES = {"purity": float, "seed": int, "num_data": int, "epoch": int, "method": str, "setting": str}
+COLUMN_TYPES.update({key: float for key in ("seconds", "cavi_w2", *SCORE_KEYS)})
 
 
 def main(args: argparse.Namespace) -> list[dict]:
-    torch.set_num_threads(args.threads)
-    torch.set_default_dtype(torch.float64)
-    wanted = {m.strip() for m in args.methods.split(",") if m.strip()}
+    setup_torch(args.threads)
+    wanted = set(names(args.methods))
     unknown = wanted - set(METHODS)
     if unknown:
         raise ValueError(f"Invalid --methods {sorted(unknown)}; choose from {list(METHODS)}")
-    rows = read_rows(args.from_csv) if args.from_csv.strip() else []
+    out = Path(args.out)
+    rows = read_csv(names(args.from_csv), COLUMN_TYPES) if args.from_csv.strip() else []
     seeds = [] if rows else ints(args.seeds)
     for purity in floats(args.purities) if seeds else []:
         for seed in seeds:
-            datasets = [(make_problem(args.num_data, purity, seed, args), False)]
+            sizes = [(args.num_data, False)]
             if args.generic_num_data > 0 and seed == seeds[0]:
-                datasets.append((make_problem(args.generic_num_data, purity, seed, args), True))
-            for problem, generic in datasets:
+                sizes.append((args.generic_num_data, True))
+            for num_data, generic in sizes:
+                problem = gmm_problem_from(args, seed, purity, num_data)
                 print(
-                    f"purity {purity:g} seed {seed}: N={problem.data.shape[0]} K={args.num_components} "
+                    f"purity {purity:g} seed {seed}: N={num_data} K={args.num_components} "
                     f"d={args.dim} blocks={len(problem.blocks)}x{args.block_size}; CAVI optimum -ELBO "
-                    f"{problem.cavi_loss:.2f}, W2 {problem.cavi_w2:.4f} after {problem.cavi_sweeps} sweeps "
-                    f"(converged: {problem.cavi_converged}); threads={torch.get_num_threads()}",
+                    f"{problem.cavi_loss:.2f}, W2 {problem.cavi_w2:.4f} after {len(problem.optimum.losses)} "
+                    f"sweeps (converged: {problem.optimum.converged}); threads={torch.get_num_threads()}",
                     flush=True,
                 )
                 for method, setting, make_stepper, epochs in runs_for(problem, args, generic):
@@ -688,12 +553,13 @@ def main(args: argparse.Namespace) -> list[dict]:
                         continue
                     history = train(
                         problem,
+                        purity,
                         method,
                         setting,
                         make_stepper,
                         epochs,
                         args.quiet,
-                        Path(args.out) / "gmm_biased_batches_progress.csv",
+                        out / "gmm_biased_batches_progress.csv",
                     )
                     last = history[-1]
                     print(
@@ -702,14 +568,10 @@ def main(args: argparse.Namespace) -> list[dict]:
                         flush=True,
                     )
                     rows += history
-                    write_rows(rows, Path(args.out) / "gmm_biased_batches.csv")  # partial results survive
-    out = Path(args.out)
-    write_rows(rows, out / "gmm_biased_batches.csv")
+                    write_csv(rows, out / "gmm_biased_batches.csv")  # partial results survive
+    write_csv(rows, out / "gmm_biased_batches.csv")
     table = summarise(rows)
-    with open(out / "gmm_biased_batches_table.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(table[0]))
-        writer.writeheader()
-        writer.writerows(table)
+    write_csv(table, out / "gmm_biased_batches_table.csv")
     print()
     print_table(table)
     plot(rows, table, out / "gmm_biased_batches.png")

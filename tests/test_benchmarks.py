@@ -1,0 +1,315 @@
+"""Every benchmark runs end to end at a tiny size, and its --help explains every option."""
+
+import csv
+import json
+import math
+import re
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from tests.scripts import BENCHMARKS, ROOT, load_script, undocumented_options
+
+#: The benchmark scripts of this file (``benchmark_*.py`` have tests of their own).
+SCRIPTS = sorted(
+    p for p in BENCHMARKS.glob("*.py") if p.stem != "common" and not p.stem.startswith("benchmark_")
+)
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=[p.stem for p in SCRIPTS])
+def test_every_option_has_help(path, monkeypatch):
+    assert undocumented_options(load_script(path), monkeypatch) == []
+
+
+def test_epoch_loop_gives_every_method_the_same_block_orders():
+    common = load_script(BENCHMARKS / "common.py")
+
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def step(self, block):
+            self.seen.append(int(block[0]))
+
+    blocks = [torch.tensor([b]) for b in range(6)]
+    first, rows = common.run_epochs(Recorder, blocks, 3, seed=1, evaluate=lambda epoch: {"x": epoch})
+    second, _ = common.run_epochs(Recorder, blocks, 3, seed=1)
+    other, _ = common.run_epochs(Recorder, blocks, 3, seed=2)
+    assert first.seen == second.seen != other.seen
+    assert [sorted(first.seen[i : i + 6]) for i in (0, 6, 12)] == [list(range(6))] * 3
+    assert [row["x"] for row in rows] == [1, 2, 3] and rows[0]["seconds"] <= rows[-1]["seconds"]
+    stopped, rows = common.run_epochs(Recorder, blocks, 3, seed=1, callback=lambda row: row["epoch"] == 2)
+    assert len(rows) == 2 and len(stopped.seen) == 12
+
+
+# --------------------------------------------------------------------------- the GMM benchmarks
+
+FLAGSHIP_TINY = [
+    "--num-data", "120", "--num-components", "3", "--dim", "2", "--block-size", "40", "--purities", "0.95",
+    "--seeds", "0,1", "--epochs", "2", "--particles", "2", "--adam-lrs", "0.05", "--rmsprop-lrs", "0.05",
+    "--sgd-lrs", "0.5", "--ng-decaying", "1:0.7", "--ng-constant", "0.1,0.3", "--generic-num-data", "80",
+    "--generic-epochs", "1", "--inner-steps", "2", "--curvature-blocks", "1", "--curvature-iterations", "2",
+    "--sweeps", "2", "--quiet",
+]  # fmt: skip
+
+
+def test_gmm_biased_batches_tiny(tmp_path):
+    module = load_script(BENCHMARKS / "gmm_biased_batches.py")
+    table = module.main(module.parse_args(FLAGSHIP_TINY + ["--out", str(tmp_path)]))
+    assert [row["method"] for row in table] == list(module.METHODS)
+    with open(tmp_path / "gmm_biased_batches_table.csv") as f:
+        assert [row["method"] for row in csv.DictReader(f)] == list(module.METHODS)
+    with open(tmp_path / "gmm_biased_batches.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["purity", "seed", "num_data", "method", "setting", "epoch", "seconds"] + [
+        "w2", "w2_ratio", "gap", "gap_own", "ari", "cavi_w2"
+    ]  # fmt: skip
+    # Two seeds x 2 epochs for every run on the main data; the generic runs only on seed 0.
+    assert len([r for r in rows if r["method"] == "NG-SVI constant"]) == 2 * 2 * 2
+    assert {r["seed"] for r in rows if r["method"] == "PD-VI generic"} == {"0"}
+    assert all(math.isfinite(float(r["gap"])) for r in rows)
+    best = next(row for row in table if row["method"] == "NG-SVI constant")
+    assert best["grid_size"] == 2 and best["seeds"] == 2
+    with open(tmp_path / "gmm_biased_batches_progress.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)  # every epoch, as it came
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "gmm_biased_batches.png").stat().st_size > 0
+
+    # Re-reading the per-epoch CSV (how parallel parts of one run are merged) gives the same table.
+    merged = module.main(
+        module.parse_args(
+            ["--from-csv", str(tmp_path / "gmm_biased_batches.csv"), "--out", str(tmp_path / "m")]
+        )
+    )
+    assert [row["method"] for row in merged] == [row["method"] for row in table]
+    for old, new in zip(table, merged):
+        assert new["final_w2"] == pytest.approx(old["final_w2"], rel=1e-12)
+        assert new["epochs_to_1.1x_cavi_w2"] == old["epochs_to_1.1x_cavi_w2"]
+
+
+def test_gmm_biased_batches_refuses_an_unknown_method(tmp_path):
+    module = load_script(BENCHMARKS / "gmm_biased_batches.py")
+    with pytest.raises(ValueError, match="--methods"):
+        module.main(module.parse_args(["--methods", "SVI+Adamm", "--out", str(tmp_path)]))
+
+
+@pytest.mark.parametrize("closed_form", [False, True], ids=["lbfgs", "closed_form"])
+def test_gmm_generic_tiny(tmp_path, closed_form):
+    module = load_script(BENCHMARKS / "gmm_generic.py")
+    args = ["--num-data", "120", "--num-components", "3", "--dim", "2", "--block-size", "40", "--epochs", "2"]
+    args += ["--svi-epochs", "2", "--lrs", "0.05", "--particles", "4", "--inner-steps", "3", "--quiet"]
+    args += ["--curvature-blocks", "1", "--curvature-iterations", "2"]
+    rows = module.main(
+        module.parse_args(args + ["--out", str(tmp_path)] + (["--closed-form"] if closed_form else []))
+    )
+    assert [(row["method"], row["epoch"]) for row in rows if row["epoch"] == 2] == [
+        ("PD-VI", 2), ("PD-VI", 2), ("PD-VI", 2), ("P2D-VI", 2), ("SVI+Adam", 2)
+    ]  # fmt: skip
+    with open(tmp_path / "gmm_generic.csv") as f:
+        assert list(next(csv.DictReader(f))) == ["method", "setting", "epoch", "seconds", "gap", "w2_ratio"]
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "gmm_generic.png").exists()
+
+
+def test_eta_auto_tiny():
+    module = load_script(BENCHMARKS / "eta_auto.py")
+    args = [
+        "--num-data",
+        "60",
+        "--num-components",
+        "2",
+        "--block-size",
+        "30",
+        "--epochs",
+        "2",
+        "--etas",
+        "0.01",
+    ]
+    results = module.main(module.parse_args(args + ["--remeasure", "1", "--curvatures", "--quiet"]))
+    assert [r["label"] for r in results] == ["PD-VI auto, remeasure 1", "PD-VI eta=0.01"]
+    assert all(len(r["history"]) == 2 for r in results)
+    assert results[1]["etas"][-1] == {"default": 0.01}
+
+
+def test_global_update_noise_tiny():
+    module = load_script(BENCHMARKS / "global_update_noise.py")
+    args = ["--num-data", "12", "--num-blocks", "3", "--particles", "4", "--epochs", "2", "--last", "1"]
+    args += [
+        "--seeds",
+        "1",
+        "--frozen",
+        "--inner-steps",
+        "5",
+        "--curvature-blocks",
+        "1",
+        "--curvature-iterations",
+        "2",
+    ]
+    rows = module.main(module.parse_args(args))
+    methods = ["PDVI auto", "PDVI paper", "PDVI consensus", "SVI+Adam lr=0.05", "fixed-noise optimum"]
+    assert [row["method"] for row in rows] == methods + [f"{m}, antithetic" for m in methods]
+    # The fixed-noise optimum of a Gaussian target with antithetic pairs has the exact mean.
+    assert rows[-1]["rms_error"] < 1e-8
+    assert all(row["rms_error"] >= 0 and row["rms_scale_error"] >= 0 for row in rows)
+
+
+def test_quadratic_tiny():
+    module = load_script(BENCHMARKS / "quadratic.py")
+    rows = module.main(
+        module.parse_args(
+            [
+                "--eta-scales",
+                "2",
+                "--epochs",
+                "12",
+                "--tolerance",
+                "1e-3",
+                "--num-data",
+                "8",
+                "--num-blocks",
+                "2",
+            ]
+        )
+    )
+    reached = {(row["scale_b"], row["groups"]): row["epochs"] for row in rows}
+    assert reached[(1.0, None)] is not None and reached[(10.0, "per_site")] is not None
+    assert reached[(10.0, None)] is None  # one step size for 100x-apart curvatures
+
+
+def test_vectorized_blocks_tiny(tmp_path):
+    module = load_script(BENCHMARKS / "vectorized_blocks.py")
+    args = ["--configs", "2x20", "4x1", "--particles", "2", "--inner-steps", "2", "--eval-repeats", "1"]
+    rows = module.main(module.parse_args(args + ["--out", str(tmp_path)]))
+    assert [(r["blocks"], r["block_size"]) for r in rows] == [(2, 20), (4, 1)]
+    assert all(row[key] > 0 for row in rows for key in module.COLUMNS)
+    with open(tmp_path / "vectorized_blocks.csv") as handle:
+        assert [row["blocks"] for row in csv.DictReader(handle)] == ["2", "4"]
+
+
+def test_vectorized_blocks_lbfgs_comparison_tiny(tmp_path):
+    module = load_script(BENCHMARKS / "vectorized_blocks.py")
+    args = ["--compare-lbfgs", "--configs", "2x5", "--particles", "2", "--inner-steps", "3"]
+    rows = module.main(
+        module.parse_args(args + ["--reference-steps", "5", "--solve-repeats", "1", "--out", str(tmp_path)])
+    )
+    assert [r["solver"] for r in rows] == ["joint", "per-block"]
+    # Per-block L-BFGS: the start and one evaluation per iteration; the joint one adds the final f_b.
+    assert [r["evaluations_per_solve"] for r in rows] == [3 + 2, 3 + 1]
+    for row in rows:
+        assert row["s_per_solve"] > 0 and row["s_per_step"] > 0
+        assert math.isfinite(row["max_abs_gap"]) and math.isfinite(row["max_lagrangian_gap"])
+    with open(tmp_path / "vectorized_lbfgs.csv") as handle:
+        assert [row["solver"] for row in csv.DictReader(handle)] == ["joint", "per-block"]
+
+
+# --------------------------------------------------------------------------- the GPU benchmark
+
+
+def test_gpu_benchmark_tiny_on_cpu(tmp_path):
+    module = load_script(BENCHMARKS / "gpu.py")
+    args = module.parse_args(
+        [
+            "--device", "cpu", "--points", "400", "--blocks", "4", "--dim", "2", "--components", "3",
+            "--sweeps", "2", "--blocks-per-step", "1,2,all", "--inner-steps", "2", "--repeats", "1",
+            "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    rows = module.main(args)
+    assert not [row for row in rows if row["method"] in ("FAILED", "skipped")]
+    sections = {"cavi", "closed-form", "engine", "generic", "generic-vmap", "svi", "floor"}
+    assert {row["section"] for row in rows} == sections
+    epochs = [row for row in rows if row["section"] == "closed-form"]
+    assert [row["blocks_per_step"] for row in epochs] == [1, 2, 4, 1, 2, 4]
+    assert all(row["ms"] > 0 for row in epochs)
+    with open(tmp_path / "gpu_benchmark.csv") as f:
+        assert [row["method"] for row in csv.DictReader(f)] == [row["method"] for row in rows]
+
+
+def test_gpu_benchmark_reports_a_failing_section_and_goes_on(tmp_path, monkeypatch):
+    module = load_script(BENCHMARKS / "gpu.py")
+
+    def broken(bench, setup):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(module, "run_cavi", broken)
+    args = module.parse_args(
+        ["--device", "cpu", "--points", "40", "--blocks", "2", "--dim", "2", "--components", "2",
+         "--sections", "cavi,floor", "--repeats", "1", "--out", str(tmp_path)]
+    )  # fmt: skip
+    rows = module.main(args)
+    assert rows[0]["section"] == "cavi" and rows[0]["method"] == "FAILED"
+    assert "no such kernel" in rows[0]["note"]
+    assert {row["section"] for row in rows[1:]} == {"floor"}
+
+
+def test_gpu_benchmark_checks_its_arguments(tmp_path):
+    module = load_script(BENCHMARKS / "gpu.py")
+    # Without a GPU the default device is the CPU.
+    assert module.parse_args([]).device == ("cuda" if torch.cuda.is_available() else "cpu")
+    args = module.parse_args(["--device", "cpu", "--points", "41", "--blocks", "2", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--points 41 must be a multiple of --blocks 2"):
+        module.main(args)
+
+
+def fake_wheel(folder, name):
+    """A minimal pure-Python wheel holding the module ``name``."""
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info"
+    files = {
+        f"{name}/__init__.py": "VALUE = 42\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{k},,\n" for k in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as archive:
+        for member, text in files.items():
+            archive.writestr(member, text)
+    return path
+
+
+@pytest.mark.parametrize("pip_works", [True, False], ids=["pip", "unpack"])
+def test_gpu_benchmark_installs_the_missing_wheels(tmp_path, monkeypatch, pip_works):
+    module = load_script(BENCHMARKS / "gpu.py")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    name = f"pdvi_fake_{'pip' if pip_works else 'unpack'}"
+    fake_wheel(wheels, name)
+    fake_wheel(wheels, "torch")  # installed already: skipped
+    if not pip_works:
+        monkeypatch.setattr(
+            module.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "no pip")
+        )
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    site = tmp_path / "site"
+    assert module.install_wheels(str(wheels), str(site)) == [f"{name}-1.0-py3-none-any.whl"]
+    assert sys.path[-1] == str(site)
+    assert __import__(name).VALUE == 42
+    assert not (site / "torch").exists()
+
+
+def test_device_checks_script_runs_files_that_exist():
+    script = BENCHMARKS / "device_checks.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    paths = set(re.findall(r"\b((?:benchmarks|tests)/[\w/]+\.py)\b", script.read_text()))
+    assert {"benchmarks/gpu.py", "benchmarks/spatial_domains.py", "tests/test_cuda.py"} <= paths
+    assert [p for p in sorted(paths) if not (ROOT / p).exists()] == []
+
+
+# --------------------------------------------------------------------------- spatial
+
+
+def test_spatial_domains_benchmark_tiny(tmp_path, capsys):
+    module = load_script(BENCHMARKS / "spatial_domains.py")
+    args = ["--num-spots", "800", "--num-domains", "3", "--dim", "4", "--epochs", "2", "--num-patches", "4"]
+    results = module.main(module.parse_args(args + ["--quiet", "--out", str(tmp_path)]))
+    methods = results[0]["methods"]
+    assert set(methods) == set(module.METHODS)
+    for row in methods.values():
+        assert len(row["history"]["objective"]) == 3 and 0 <= row["final_ari"] <= 1
+    assert "| 800 | P2D-VI |" in capsys.readouterr().out
+    for name in ("spatial_convergence_800.png", "spatial_domains_800.png", "spatial_table.md"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert json.loads((tmp_path / "spatial_results.json").read_text())[0]["num_spots"] == 800
