@@ -6,7 +6,7 @@ import pytest
 import torch
 from pyro.infer import TraceEnum_ELBO
 
-from pyro_pdvi import PDVI, BlockBatch
+from pyro_pdvi import PDVI, BlockProblem
 from pyro_pdvi.models.gmm import GMMBlockSolver, GMMModel, make_biased_gmm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -25,7 +25,7 @@ def block_batch(data, block_ids, seed):
     num_components, dim = data.centers.shape
     indices = torch.stack([data.blocks[b] for b in block_ids])
     count = len(block_ids)
-    return BlockBatch(
+    return BlockProblem(
         blocks=torch.tensor(block_ids),
         indices=indices,
         consensus={
@@ -47,11 +47,11 @@ def block_batch(data, block_ids, seed):
 
 
 @pytest.mark.parametrize("tol", [0.0, 1e-7])
-def test_solve_batch_on_cuda_equals_cpu(tol):
+def test_closed_form_solve_on_cuda_equals_cpu(tol):
     data = make_biased_gmm(4000, 4, 5, 500, 0.9, seed=1, separation=3.0)
     batch = block_batch(data, [0, 2, 3, 5, 7], seed=2)
-    cpu = GMMBlockSolver(data.data, data.prior, num_sweeps=20, tol=tol).solve_batch(batch)
-    cuda_batch = BlockBatch(
+    cpu = GMMBlockSolver(data.data, data.prior, num_sweeps=20, tol=tol).solve(batch)
+    cuda_batch = BlockProblem(
         blocks=batch.blocks,
         indices=batch.indices.to(CUDA),
         consensus=to_cuda(batch.consensus),
@@ -62,7 +62,7 @@ def test_solve_batch_on_cuda_equals_cpu(tol):
         num_data=batch.num_data,
     )
     solver = GMMBlockSolver(data.data.to(CUDA), data.prior, num_sweeps=20, tol=tol)
-    gpu = solver.solve_batch(cuda_batch)
+    gpu = solver.solve(cuda_batch)
     for name in ("m", "rho"):
         assert gpu.globals[name].device.type == "cuda"
         torch.testing.assert_close(gpu.globals[name].cpu(), cpu.globals[name], rtol=1e-12, atol=1e-12)
@@ -70,10 +70,10 @@ def test_solve_batch_on_cuda_equals_cpu(tol):
     torch.testing.assert_close(gpu.loss.cpu(), cpu.loss, rtol=1e-12, atol=0)
 
 
-def test_solve_batch_on_cuda_does_not_synchronise():
+def test_closed_form_solve_on_cuda_does_not_synchronise():
     data = make_biased_gmm(2000, 3, 4, 500, 0.9, seed=3)
     batch = block_batch(data, [0, 1, 2, 3], seed=4)
-    cuda_batch = BlockBatch(
+    cuda_batch = BlockProblem(
         blocks=batch.blocks,
         indices=batch.indices.to(CUDA),
         consensus=to_cuda(batch.consensus),
@@ -84,11 +84,11 @@ def test_solve_batch_on_cuda_does_not_synchronise():
         num_data=batch.num_data,
     )
     solver = GMMBlockSolver(data.data.to(CUDA), data.prior)
-    solver.solve_batch(cuda_batch)  # caches the prior on the device
+    solver.solve(cuda_batch)  # caches the prior on the device
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        solution = solver.solve_batch(cuda_batch)
+        solution = solver.solve(cuda_batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(solution.loss.cpu()).all()
@@ -109,7 +109,7 @@ def test_pdvi_step_keeps_its_state_on_cuda(blocks_per_step):
         blocks=blocks,
         eta=1e-2,
         groups=[{"sites": ["rho"], "eta": 1e-1}],
-        local_solver=GMMBlockSolver(on_cuda, prior),
+        solver=GMMBlockSolver(on_cuda, prior),
         global_update="paper",
     )
     for start in range(0, len(blocks), blocks_per_step):

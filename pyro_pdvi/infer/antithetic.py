@@ -15,7 +15,7 @@ that sample-average objective exactly. For a location-scale guide the objective
 has terms ``scale * mean_k(z_k) * (something of the block's data)``; on sorted,
 non-i.i.d. blocks the data factor is large, so the solved scale follows the
 noise's sample mean. Measured on the hierarchical benchmark
-(``examples/benchmark_global_update_noise.py``, docs/benchmarks.md section 2):
+(``benchmarks/global_update_noise.py``, docs/benchmarks.md section 2):
 the optimum of the fixed-noise objective had the sd of ``q(mu)`` off by 48% at
 8 particles and 39% at 64 (RMS over 3 seeds); with antithetic pairs, 12% and 6%,
 and its mean is exact.

@@ -327,7 +327,7 @@ class PDVI:
 
     def _bound_step_sizes(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> None:
         """Before a block's first solve, measure its diagonal curvature at ``lambda_0`` (natural
-        rule: the bound ``eta_j <= 2 / max_b h_bj`` over the blocks seen so far)."""
+        rule: the bound ``eta_j <= 8 / max_b h_bj`` over the blocks seen so far)."""
         new = [b for b in block_ids.tolist() if b not in self._bounded_blocks]
         if not new:
             return

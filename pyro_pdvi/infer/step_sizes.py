@@ -258,7 +258,7 @@ class AutoStepSize:
     :param fisher_samples: draws of the guide's latents per block for ``F_j``.
     :param fisher_blocks: blocks the Fisher estimate averages.
     :param curvature_probes: Rademacher probes of each block's diagonal curvature (natural
-        rule: measured before the block's first solve, it bounds ``eta_j <= 2 / max_b h_bj``).
+        rule: measured before the block's first solve, it bounds ``eta_j <= 8 / max_b h_bj``).
     :param curvature_blocks: how many blocks are measured (the max is used).
     :param curvature_iterations: power iterations per group and block.
     :param remeasure_epochs: with the curvature rule, epochs (block visits / n) after which
@@ -353,7 +353,7 @@ class StepSizes:
         return bool(moved.any())
 
     def bound_block_curvature(self, curvature: torch.Tensor) -> bool:
-        """Take one more block's diagonal curvature into the bound ``eta_j <= 2 / max_b h_bj``
+        """Take one more block's diagonal curvature into the bound ``eta_j <= 8 / max_b h_bj``
         of the natural rule (:func:`diagonal_curvature`).
 
         :returns: whether any coordinate's bound grew.
