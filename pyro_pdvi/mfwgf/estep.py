@@ -113,6 +113,15 @@ def sum_out_locals(
         if not involved:
             log_joint = log_joint + per_configuration(log_prob, particle_dim, batch)
             continue
+        stray = [dim for dim in involved if dim not in enum_dims]
+        if stray:
+            raise ValueError(
+                f'site "{name}" has a log-density of shape {tuple(log_prob.shape)} with a dimension left of '
+                f"the particle plate (dim {particle_dim}) that is no enumeration dimension: the model does "
+                "not broadcast over a leading particle dimension. Index latent values from the right "
+                "(w[..., 0] instead of w[0], w[..., :1] keeps an event dimension) and declare batch "
+                "dimensions with pyro.plate, as for pyro.infer.SVGD"
+            )
         if len(involved) > 1:
             coupled = sorted(enum_dims[dim] for dim in involved)
             raise ValueError(

@@ -156,8 +156,12 @@ def trace_sites(
     :raises ValueError: for a discrete latent site not marked for parallel enumeration, or
         for a model without a continuous latent site (both name the sites).
     """
+
+    def init_continuous(site: dict) -> torch.Tensor:  # discrete sites are summed out, not initialised
+        return site["fn"].sample() if site["fn"].support.is_discrete else init_loc_fn(site)
+
     with poutine.block():
-        trace = poutine.trace(InitMessenger(init_loc_fn)(model)).get_trace(*args, **kwargs)
+        trace = poutine.trace(InitMessenger(init_continuous)(model)).get_trace(*args, **kwargs)
     sites, enumerated, initial = [], [], []
     start = 0
     for name, node in trace.nodes.items():
@@ -175,7 +179,14 @@ def trace_sites(
                 )
             enumerated.append(name)
             continue
-        transform = biject_to(fn.support)
+        try:
+            transform = biject_to(fn.support)
+        except NotImplementedError as error:
+            raise ValueError(
+                f'site "{name}": torch has no bijection from unconstrained space to its support '
+                f"{fn.support}; use a distribution with a registered support (for a mixture, "
+                "pyro.distributions.MixtureOfDiagNormals instead of MixtureSameFamily)"
+            ) from error
         unconstrained = transform.inv(node["value"].detach())
         sites.append(
             LatentSite(

@@ -1,8 +1,8 @@
 """``step_size="auto"``: a step per factor from its curvature, then one check of the coupling.
 
 Factor ``j`` moves on the potential ``V_j = -E_{q_{-j}}[log pi]``; its curvature ``L_j``
-is the largest |eigenvalue| of its diagonal Hessian block, averaged over configurations
-drawn from the current factors, measured by power iteration with Hessian-vector products
+is the largest |eigenvalue| of its diagonal Hessian block at configurations drawn from
+the current factors, averaged over them, measured by power iteration with Hessian-vector products
 (central differences of the batched gradient, as ``pyro_pdvi``'s PD-VI measures its
 curvatures). All factors are measured in one batch. The step is ``h_j = fraction / L_j``.
 
@@ -35,20 +35,24 @@ def _difference_step(points: torch.Tensor) -> float:
 def _hessian_vector_products(
     gradient: Gradient, points: torch.Tensor, directions: torch.Tensor
 ) -> torch.Tensor:
-    """``mean_b H(points[b]) v`` for every direction ``v``, ``(k, D)``, by central differences
+    """``H(points[b]) v[k, b]`` for every direction, ``(k, B, D)``, by central differences
     (one gradient call on ``2 k B`` configurations)."""
     epsilon = _difference_step(points)
-    shifted = points[None, :, :] + epsilon * directions[:, None, :]  # (k, B, D)
-    mirrored = points[None, :, :] - epsilon * directions[:, None, :]
+    shifted = points + epsilon * directions  # (k, B, D)
+    mirrored = points - epsilon * directions
     batch = torch.cat([shifted, mirrored]).reshape(-1, points.shape[1])
     plus, minus = gradient(batch).reshape(2, *shifted.shape)
-    return ((plus - minus) / (2 * epsilon)).mean(1)
+    return (plus - minus) / (2 * epsilon)
 
 
 def factor_curvatures(
     gradient: Gradient, points: torch.Tensor, factors: FactorLayout, num_iterations: int = 10
 ) -> torch.Tensor:
-    """``L_j``, the largest |eigenvalue| of ``mean_b H_jj(points[b])`` for every factor, ``(m,)``.
+    """``L_j``: the largest |eigenvalue| of the Hessian block ``H_jj`` at every configuration,
+    averaged over the configurations, for every factor, ``(m,)``.
+
+    The |eigenvalue| is taken per configuration before averaging, so that a factor that
+    starts where its potential bends both ways (between two modes) is not measured as flat.
 
     :param gradient: ``(n, D) -> dV/du (n, D)``.
     :param points: ``(B, D)`` configurations.
@@ -59,16 +63,18 @@ def factor_curvatures(
     device, dtype = points.device, points.dtype
     factor_of = factors.factor_of.to(device)
     masks = (factor_of[None, :] == torch.arange(factors.num_factors, device=device)[:, None]).to(dtype)
+    masks = masks[:, None, :]  # (m, 1, D)
     generator = torch.Generator().manual_seed(0)
-    directions = torch.rand(masks.shape, generator=generator, dtype=dtype).to(device) + 0.5
-    directions = directions * masks
-    directions = directions / directions.norm(dim=1, keepdim=True)
-    norms = torch.zeros(factors.num_factors, dtype=dtype, device=device)
+    shape = (factors.num_factors, points.shape[0], points.shape[1])
+    directions = (torch.rand(shape, generator=generator, dtype=dtype).to(device) + 0.5) * masks
+    directions = directions / directions.norm(dim=-1, keepdim=True)
+    norms = torch.zeros(shape[:2], dtype=dtype, device=device)
     for _ in range(1 if factors.all_scalar else num_iterations):
         products = _hessian_vector_products(gradient, points, directions) * masks
-        norms = products.norm(dim=1)
-        directions = torch.where(norms[:, None] > 0, products / norms[:, None].clamp_min(1e-300), directions)
-    return norms
+        norms = products.norm(dim=-1)
+        safe = norms[..., None].clamp_min(torch.finfo(dtype).tiny)
+        directions = torch.where(norms[..., None] > 0, products / safe, directions)
+    return norms.mean(1)
 
 
 def coupling_eigenvalue(
@@ -81,7 +87,8 @@ def coupling_eigenvalue(
     vector = vector / vector.norm()
     eigenvalue = 0.0
     for _ in range(num_iterations):
-        product = root * _hessian_vector_products(gradient, points, (root * vector)[None])[0]
+        directions = (root * vector).expand(1, *points.shape)
+        product = root * _hessian_vector_products(gradient, points, directions)[0].mean(0)
         norm = product.norm()
         eigenvalue = float(norm)
         if not eigenvalue > 0:
