@@ -212,14 +212,20 @@ class MFWGF:
             entropy is left out: the number levels off as the flow settles).
         :rtype: float
         :raises NonFiniteStepError: if the loss or the new state is not finite; then nothing
-            is changed (particles, random generator and step count stay as they were).
+            is changed (particles, random generator and step count stay as they were), as
+            for any error the model raises during the step.
         """
         if self._scheme is None:
             self._setup(args, kwargs)
         generator_state = self._generator.get_state()
-        proposal, loss = self._scheme.propose(args, kwargs, self._generator)
-        finite = torch.isfinite(loss) & torch.stack([torch.isfinite(t).all() for t in proposal]).all()
-        if not bool(finite):
+        try:
+            proposal, loss = self._scheme.propose(args, kwargs, self._generator)
+            finite = torch.stack([torch.isfinite(t).all() for t in proposal]).all() & torch.isfinite(loss)
+            loss_value, accepted = torch.stack([loss.detach(), finite.to(loss.dtype)]).tolist()
+        except Exception:  # e.g. a distribution's argument check inside the model
+            self._generator.set_state(generator_state)
+            raise
+        if not accepted:
             self._generator.set_state(generator_state)
             raise NonFiniteStepError(
                 f"MF-WGF step {self.num_steps + 1}: the loss or the new {self.scheme_name} state is not "
@@ -229,7 +235,7 @@ class MFWGF:
             )
         self._scheme.state = proposal
         self.num_steps += 1
-        return float(loss)
+        return loss_value
 
     def run(self, num_steps: int, *args, progress_bar: bool = True, **kwargs) -> list[float]:
         """``num_steps`` calls of :meth:`step`, with a tqdm bar showing the loss.
