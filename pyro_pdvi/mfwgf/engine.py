@@ -30,7 +30,7 @@ from .sites import SiteLayout, trace_sites
 from .step_sizes import auto_step_sizes
 
 #: Default ``step_fraction`` (``h_j L_j``, or ``tau_j L_j`` for the Gaussian scheme) per scheme.
-DEFAULT_STEP_FRACTION = {"langevin": 0.25, "ula": 0.1, "gaussian": 1.0}
+DEFAULT_STEP_FRACTION = {"langevin": 0.25, "ula": 0.1, "gaussian": 0.5}
 #: Configurations the curvature of ``step_size="auto"`` is averaged over.
 CURVATURE_POINTS = 8
 
