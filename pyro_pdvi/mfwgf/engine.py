@@ -301,13 +301,13 @@ class MFWGF:
         self._require_setup()
         generator = torch.Generator(device=self._layout.initial.device)
         generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
-        configurations, local_log_probs = self._scheme.curvature_points(args, kwargs, generator)
+        _, local_log_probs = self._scheme.curvature_points(args, kwargs, generator)
         nesting = self._layout.max_plate_nesting
         return {
             name: log_q.exp().movedim(-log_q.dim(), -1).reshape(log_q.shape[-nesting:] + log_q.shape[:1])
             if nesting
             else log_q.exp().reshape(-1)
-            for name, log_q in local_log_probs.items()
+            for name, log_q in (local_log_probs or {}).items()
         }
 
     # ------------------------------------------------------------------ state

@@ -11,6 +11,9 @@ permuting each factor's particles by its own random permutation turns the ``P`` 
 rows into ``P`` draws from the product of the factors' empirical measures, so the
 gradient at row ``i`` is, for every factor ``l``, a drift sample for particle
 ``perm_l[i]`` with the other factors drawn independently of it.
+
+[1] Yao, Yang (2022), "Mean-field variational inference via Wasserstein gradient flow",
+    arXiv:2207.08074.
 """
 
 from __future__ import annotations

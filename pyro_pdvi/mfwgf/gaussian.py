@@ -20,12 +20,14 @@ for every ``tau``; for other targets its fixed point is the mean-field Gaussian
 at once; ``a`` by Stein's identity ``E[d^2V/dx_j^2] = E[dV/dx_j eps_j] / s_j``, so one
 gradient pass gives both. The base normals ``eps`` come in antithetic pairs and are
 whitened to empirical mean 0 and covariance exactly ``I`` when ``n/2 >= D``
-(moment matching [4, Sec. 4.5]): then ``g`` and ``a`` are exact for every quadratic
+(moment matching [2, Sec. 4.5]): then ``g`` and ``a`` are exact for every quadratic
 potential, which is what makes the fixed point exact in floating point. With fewer
 configurations each coordinate is only scaled to unit second moment (exact when the
 Hessian is diagonal, noisy otherwise).
 
-[4] Glasserman (2003), "Monte Carlo Methods in Financial Engineering", Springer.
+[1] Yao, Yang (2022), "Mean-field variational inference via Wasserstein gradient flow",
+    arXiv:2207.08074.
+[2] Glasserman (2003), "Monte Carlo Methods in Financial Engineering", Springer.
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ step's noise, ``sqrt(2h)``: for a Gaussian factor at the default ``a h = 1/4`` t
 touches only particles more than 14 standard deviations from the mean, so it changes
 nothing in the bulk and only slows a particle that starts far out.
 
+[1] Yao, Yang (2022), "Mean-field variational inference via Wasserstein gradient flow",
+    arXiv:2207.08074.
 [2] Leimkuhler, Matthews (2013), "Rational construction of stochastic numerical methods
     for molecular sampling", Appl. Math. Res. Express 2013(1).
 [3] Chen, Fox, Guestrin (2014), "Stochastic gradient Hamiltonian Monte Carlo", ICML.

@@ -8,6 +8,9 @@ particles, the same code on CPU and GPU. In unconstrained coordinates the potent
     V(u) = -log p(x, T(u)) - log |det dT/du|(u)
 
 and enumerated discrete locals enter through their mean-field factors (:mod:`.estep`).
+
+[1] Yao, Yang (2022), "Mean-field variational inference via Wasserstein gradient flow",
+    arXiv:2207.08074.
 """
 
 from __future__ import annotations

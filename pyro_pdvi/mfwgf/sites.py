@@ -7,6 +7,9 @@ returns a :class:`SiteLayout`: where every continuous site sits in a flat vector
 length ``D``, its transform to the constrained support, the discrete sites that the
 E-step sums out (they must be marked ``infer={"enumerate": "parallel"}``), and how many
 plate dimensions the model uses, so that a particle plate can be put to their left.
+
+[1] Yao, Yang (2022), "Mean-field variational inference via Wasserstein gradient flow",
+    arXiv:2207.08074.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ the largest eigenvalue of ``S^(1/2) Lambda S^(1/2)`` below 2 (parallel CAVI, the
 large steps, can diverge [1, Sec. 3.2]). :func:`coupling_eigenvalue` measures it, and
 :func:`auto_step_sizes` shrinks every step by the same factor when it exceeds
 :data:`COUPLING_LIMIT`, which keeps every mode of the mean dynamics monotone.
+
+[1] Yao, Yang (2022), "Mean-field variational inference via Wasserstein gradient flow",
+    arXiv:2207.08074.
 """
 
 from __future__ import annotations
