@@ -33,6 +33,8 @@ from .step_sizes import auto_step_sizes
 DEFAULT_STEP_FRACTION = {"langevin": 0.25, "ula": 0.1, "gaussian": 0.5}
 #: Configurations the curvature of ``step_size="auto"`` is averaged over.
 CURVATURE_POINTS = 8
+#: ``step_size="auto"`` measures at the first step and again before steps 8, 16, 32, ...
+REMEASURE_FIRST = 8
 
 
 def _check_step_size(step_size: float | str) -> float | str:
@@ -84,6 +86,9 @@ class MFWGF:
     :param max_plate_nesting: plate dimensions of the model; guessed when ``None``.
     :param drift_noise_correction: subtract the drift's Monte Carlo variance from the
         injected noise (``"langevin"``, ``R >= 2``).
+    :param remeasure: with ``step_size="auto"``, measure the curvatures again before steps 8,
+        16, 32, ...: the curvature where the factors sit changes as they move from their
+        start (a doubling schedule follows that transient at ``log2(steps)`` measurements).
     """
 
     def __init__(
@@ -100,6 +105,7 @@ class MFWGF:
         init_scale: float = 0.1,
         max_plate_nesting: int | None = None,
         drift_noise_correction: bool = True,
+        remeasure: bool = True,
     ) -> None:
         if not callable(model):
             raise ValueError(f"model must be callable, got {type(model).__name__}")
@@ -147,6 +153,7 @@ class MFWGF:
         self.init_scale = float(init_scale)
         self.max_plate_nesting = max_plate_nesting
         self.drift_noise_correction = drift_noise_correction
+        self.remeasure = remeasure
         self.num_steps = 0
         self._layout: SiteLayout | None = None
         self._scheme: Scheme | None = None
@@ -156,11 +163,12 @@ class MFWGF:
     # ------------------------------------------------------------------ set-up at the first step
 
     def _setup(self, args: tuple, kwargs: dict) -> None:
+        """Trace the model, lay out sites and factors, place the particles, load any waiting
+        state and set the steps; the engine is changed only if all of it succeeds."""
         layout = trace_sites(self.model, args, kwargs, self.init_loc_fn, self.max_plate_nesting)
         factors = resolve_factors(self.factors, layout)
         potential = Potential(self.model, layout)
-        device = layout.initial.device
-        generator = torch.Generator(device=device)
+        generator = torch.Generator(device=layout.initial.device)
         generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
         scheme = make_scheme(
             self.scheme_name,
@@ -171,34 +179,42 @@ class MFWGF:
             self.drift_noise_correction,
         )
         scheme.initialize(layout.initial, self.init_scale, generator)
-        pending = self._pending_state
-        if pending is not None:
-            self._check_state(pending, layout)
-            scheme.load_state_dict(pending["scheme"])
-            generator.set_state(pending["generator"])
-            self.num_steps = pending["num_steps"]
-        self._layout, self._scheme, self._generator, self._pending_state = layout, scheme, generator, None
-        self._set_steps(args, kwargs, pending)
-
-    def _set_steps(self, args: tuple, kwargs: dict, state: dict | None) -> None:
-        scheme, layout = self._scheme, self._layout
+        state, num_steps = self._pending_state, 0
+        if state is not None:
+            self._check_state(state, layout)
+            scheme.load_state_dict(state["scheme"])
+            generator.set_state(state["generator"])
+            num_steps = state["num_steps"]
         ones = torch.ones_like(layout.initial)
         if self.step_size != "auto":
             scheme.set_steps(self.step_size * ones, None)
-            return
-        if state is not None and state.get("step_sizes") is not None:
+        elif state is not None and state.get("step_sizes") is not None:
             scheme.set_steps(state["step_sizes"].to(ones), state["curvature"].to(ones))
-            return
-        configurations, local_log_probs = scheme.curvature_points(args, kwargs, self._generator)
-        points = configurations[:CURVATURE_POINTS]
+        else:
+            scheme.set_steps(*self._measure_steps(scheme, generator, args, kwargs))
+        self._layout, self._scheme, self._generator = layout, scheme, generator
+        self.num_steps, self._pending_state = num_steps, None
+
+    def _measure_steps(
+        self, scheme: Scheme, generator: torch.Generator, args: tuple, kwargs: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step_size="auto"``: steps and curvatures per coordinate at the current factors."""
+        configurations, local_log_probs = scheme.curvature_points(args, kwargs, generator)
         chunk = self.num_particles * self.num_draws
 
         def gradient(batch: torch.Tensor) -> torch.Tensor:
             return scheme.potential.gradient(batch, args, kwargs, local_log_probs, chunk)
 
         fraction = scheme.mean_step_fraction(self.step_fraction)
-        steps, curvature, _ = auto_step_sizes(gradient, points, scheme.factors, fraction)
-        scheme.set_steps(scheme.from_mean_steps(steps, curvature), curvature)
+        steps, curvature, _ = auto_step_sizes(
+            gradient, configurations[:CURVATURE_POINTS], scheme.factors, fraction
+        )
+        return scheme.from_mean_steps(steps, curvature), curvature
+
+    def _remeasure_due(self) -> bool:
+        """``"auto"`` re-measures before steps 8, 16, 32, ... (counting from 0)."""
+        k = self.num_steps
+        return self.step_size == "auto" and self.remeasure and k >= REMEASURE_FIRST and k & (k - 1) == 0
 
     # ------------------------------------------------------------------ the step
 
@@ -217,16 +233,21 @@ class MFWGF:
         """
         if self._scheme is None:
             self._setup(args, kwargs)
-        generator_state = self._generator.get_state()
+        scheme, generator = self._scheme, self._generator
+        generator_state, steps = generator.get_state(), (scheme.steps, scheme.curvature)
         try:
-            proposal, loss = self._scheme.propose(args, kwargs, self._generator)
+            if self._remeasure_due():
+                scheme.set_steps(*self._measure_steps(scheme, generator, args, kwargs))
+            proposal, loss = scheme.propose(args, kwargs, generator)
             finite = torch.stack([torch.isfinite(t).all() for t in proposal]).all() & torch.isfinite(loss)
             loss_value, accepted = torch.stack([loss.detach(), finite.to(loss.dtype)]).tolist()
         except Exception:  # e.g. a distribution's argument check inside the model
-            self._generator.set_state(generator_state)
+            generator.set_state(generator_state)
+            scheme.set_steps(*steps)
             raise
         if not accepted:
-            self._generator.set_state(generator_state)
+            generator.set_state(generator_state)
+            scheme.set_steps(*steps)
             raise NonFiniteStepError(
                 f"MF-WGF step {self.num_steps + 1}: the loss or the new {self.scheme_name} state is not "
                 "finite, so nothing was changed. Lower step_size (or step_fraction), or check the model's "
