@@ -8,6 +8,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import Predictive
+from pyro.infer.autoguide.initialization import init_to_value
 
 from pyro_pdvi.errors import NonFiniteStepError
 from pyro_pdvi.mfwgf import MFWGF
@@ -257,3 +258,27 @@ def test_state_of_another_scheme_is_refused():
         other.load_state_dict(mf.state_dict())
     with pytest.raises(ValueError, match="gaussian"):
         mf.gaussian_factors()
+
+
+def test_auto_step_sizes_are_measured_again_as_the_factor_moves():
+    """A Gamma(2, 3) site in log space has curvature 3 exp(u): started at u = log 20 it is 60,
+    at the mode u = log(2/3) it is 2. The step follows at steps 8, 16, ... and not between."""
+
+    def model():
+        pyro.sample("rate", dist.Gamma(2.0, 3.0))
+
+    start = init_to_value(values={"rate": torch.tensor(20.0, dtype=torch.float64)})
+    mf = MFWGF(model, num_particles=200, init_loc_fn=start, init_scale=0.01)
+    mf.step()
+    first = float(mf.step_sizes["rate"])
+    assert first == pytest.approx(0.25 / 60, rel=0.05)
+    for _ in range(7):
+        mf.step()
+    assert float(mf.step_sizes["rate"]) == first  # steps 1-7 keep it
+    for _ in range(100):
+        mf.step()
+    assert float(mf.step_sizes["rate"]) > 10 * first  # near the mode the factor is 30x less curved
+    fixed = MFWGF(model, num_particles=200, init_loc_fn=start, init_scale=0.01, remeasure=False)
+    for _ in range(20):
+        fixed.step()
+    assert float(fixed.step_sizes["rate"]) == pytest.approx(first, rel=0.05)
