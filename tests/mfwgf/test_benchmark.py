@@ -35,7 +35,7 @@ def test_grid_log_joint_is_the_models_log_density(benchmark):
 def test_benchmark_runs_tiny(benchmark, tmp_path):
     args = benchmark.parse_args(
         ["--out", str(tmp_path), "--particles", "100", "--steps", "20", "--svi-steps", "20",
-         "--svi-lrs", "0.05", "--bias-fractions", "0.5", "--bias-snapshots", "3", "--grid", "21",
+         "--svi-lrs", "0.05", "--svi-particles", "1,4", "--bias-fractions", "0.5", "--bias-snapshots", "3", "--grid", "21",
          "--gmm-data", "30", "--gmm-particles", "20", "--gmm-steps", "5", "--scaling-particles", "20",
          "--scaling-dims", "2", "--scaling-steps", "2", "--quiet"]
     )  # fmt: skip
