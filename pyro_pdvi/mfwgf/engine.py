@@ -15,6 +15,7 @@ globals' JKO step [1, eqs. 19-20]. The engine has the shape of Pyro's ``SVGD`` a
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,13 @@ from tqdm.auto import tqdm
 
 from ..checks import check_positive_int
 from ..errors import NonFiniteStepError
+from .arguments import (
+    check_factors,
+    check_float,
+    check_max_plate_nesting,
+    check_num_particles,
+    check_step_size,
+)
 from .factors import FactorLayout, FactorSpec, resolve_factors
 from .potential import Potential
 from .schemes import SCHEMES, Scheme, make_scheme
@@ -35,18 +43,6 @@ DEFAULT_STEP_FRACTION = {"langevin": 0.25, "ula": 0.1, "gaussian": 0.5}
 CURVATURE_POINTS = 8
 #: ``step_size="auto"`` measures at the first step and again before steps 8, 16, 32, ...
 REMEASURE_FIRST = 8
-
-
-def _check_step_size(step_size: float | str) -> float | str:
-    if step_size == "auto":
-        return step_size
-    if (
-        isinstance(step_size, bool)
-        or not isinstance(step_size, (int, float))
-        or not 0 < step_size < float("inf")
-    ):
-        raise ValueError(f'Invalid step_size: {step_size!r}; use a positive float or "auto"')
-    return float(step_size)
 
 
 class MFWGF:
@@ -111,47 +107,21 @@ class MFWGF:
             raise ValueError(f"model must be callable, got {type(model).__name__}")
         if scheme not in SCHEMES:
             raise ValueError(f"Invalid scheme: {scheme!r}; use one of {sorted(SCHEMES)}")
-        check_positive_int(num_particles, "num_particles")
-        if num_particles < 2:
-            raise ValueError(f"Invalid num_particles: {num_particles}; use at least 2")
-        if scheme == "gaussian" and num_particles % 2:
-            raise ValueError(
-                f"Invalid num_particles: {num_particles}; "
-                'scheme="gaussian" draws antithetic pairs, use an even number'
-            )
-        if not (isinstance(factors, str) and factors in ("coordinate", "site")) and not isinstance(
-            factors, (list, tuple)
-        ):
-            raise ValueError(
-                f'Invalid factors: {factors!r}; use "coordinate", "site" or a list of site-name lists'
-            )
-        check_positive_int(num_draws, "num_draws")
-        step_fraction = DEFAULT_STEP_FRACTION[scheme] if step_fraction is None else step_fraction
-        limit = float("inf") if scheme == "gaussian" else 2.0
-        if isinstance(step_fraction, bool) or not isinstance(step_fraction, (int, float)):
-            raise ValueError(f"Invalid step_fraction: {step_fraction!r}; use a float in (0, {limit})")
-        if not 0 < step_fraction < limit:
-            raise ValueError(f"Invalid step_fraction: {step_fraction!r}; use a float in (0, {limit})")
-        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not init_scale > 0:
-            raise ValueError(f"Invalid init_scale: {init_scale!r}; use a positive float")
-        if max_plate_nesting is not None and (
-            isinstance(max_plate_nesting, bool)
-            or not isinstance(max_plate_nesting, int)
-            or max_plate_nesting < 0
-        ):
-            raise ValueError(
-                f"Invalid max_plate_nesting: {max_plate_nesting!r}; use a non-negative int or None"
-            )
+        if step_fraction is None:
+            step_fraction = DEFAULT_STEP_FRACTION[scheme]
         self.model = model
-        self.num_particles = num_particles
-        self.step_size = _check_step_size(step_size)
+        self.num_particles = check_num_particles(num_particles, scheme)
+        self.step_size = check_step_size(step_size)
         self.scheme_name = scheme
-        self.factors = factors
-        self.num_draws = num_draws
-        self.step_fraction = float(step_fraction)
+        self.factors = check_factors(factors)
+        self.num_draws = check_positive_int(num_draws, "num_draws")
+        # Langevin steps are stable for a h < 2; the Gaussian scheme's implicit step for any tau
+        self.step_fraction = check_float(
+            step_fraction, "step_fraction", 2.0 if scheme != "gaussian" else math.inf
+        )
         self.init_loc_fn = init_loc_fn
-        self.init_scale = float(init_scale)
-        self.max_plate_nesting = max_plate_nesting
+        self.init_scale = check_float(init_scale, "init_scale")
+        self.max_plate_nesting = check_max_plate_nesting(max_plate_nesting)
         self.drift_noise_correction = drift_noise_correction
         self.remeasure = remeasure
         self.num_steps = 0
