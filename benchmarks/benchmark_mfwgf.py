@@ -149,12 +149,13 @@ def correlated_gaussian(device: torch.device):
     return model, 1 / torch.linalg.inv(covariance).diagonal()
 
 
-def gamma_model():
-    pyro.sample("scale", dist.Gamma(2.0, 3.0))
+def gamma_model(shape):
+    """A Gamma(2, 3) site (``shape`` = 2.0 as a tensor on the device)."""
+    pyro.sample("scale", dist.Gamma(shape, 3.0))
 
 
 def linear_regression(x, y, noise=0.5):
-    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
+    w = pyro.sample("w", dist.Normal(x.new_zeros(()), 1.0).expand([x.shape[1]]).to_event(1))
     with pyro.plate("data", x.shape[0]):
         pyro.sample("y", dist.Normal((x * w).sum(-1), noise), obs=y)
 
@@ -183,7 +184,7 @@ def poisson_rates(counts, exposures):
     """rate_g ~ Exponential(1), counts_g ~ Poisson(rate_g exposure_g): independent conjugate
     sites, so mean field is exact and q(rate_g) = Gamma(1 + count_g, 1 + exposure_g)."""
     with pyro.plate("groups", counts.shape[0]):
-        rate = pyro.sample("rate", dist.Exponential(1.0))
+        rate = pyro.sample("rate", dist.Exponential(counts.new_ones(())))
         pyro.sample("counts", dist.Poisson(rate * exposures), obs=counts)
 
 
@@ -198,9 +199,10 @@ def poisson_rates_problem(device: torch.device):
 
 def bimodal_skewed(y, x):
     """y_i ~ N(theta1^2, sigma), x_j ~ N(theta2, sigma): q(theta1) is bimodal, q(sigma) skewed."""
-    theta1 = pyro.sample("theta1", dist.Normal(0.0, 2.0))
-    theta2 = pyro.sample("theta2", dist.Normal(0.0, 2.0))
-    sigma = pyro.sample("sigma", dist.HalfNormal(2.0))
+    zero = y.new_zeros(())  # priors on the data's device, so the particles are too
+    theta1 = pyro.sample("theta1", dist.Normal(zero, 2.0))
+    theta2 = pyro.sample("theta2", dist.Normal(zero, 2.0))
+    sigma = pyro.sample("sigma", dist.HalfNormal(zero + 2.0))
     with pyro.plate("y_data", y.shape[0]):
         pyro.sample("y", dist.Normal(theta1.square(), sigma), obs=y)
     with pyro.plate("x_data", x.shape[0]):
@@ -312,9 +314,10 @@ def section_bias(args, device: torch.device, out: Path) -> list[dict]:
             row[f"{label} var/opt"] = float(torch.stack(ratios).mean())
         for label, scheme in (("ULA", "ula"), ("LM", "langevin")):
             pyro.set_rng_seed(args.seed)
+            gamma_shape = (torch.tensor(2.0, device=device),)
             gamma_mf, _ = fit_mfwgf(
                 gamma_model,
-                (),
+                gamma_shape,
                 burn_in,
                 device,
                 num_particles=args.particles,
@@ -323,7 +326,7 @@ def section_bias(args, device: torch.device, out: Path) -> list[dict]:
             )
             pooled = []
             for _ in range(args.bias_snapshots):
-                gamma_mf.step()
+                gamma_mf.step(*gamma_shape)
                 pooled.append(gamma_mf.get_samples()["scale"])
             row[f"{label} Gamma KS"] = float(
                 stats.kstest(torch.cat(pooled).cpu().numpy(), gamma_cdf).statistic
@@ -598,7 +601,7 @@ def section_gmm(args, device: torch.device, out: Path) -> list[dict]:
 
 
 def logistic_regression(x, y):
-    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
+    w = pyro.sample("w", dist.Normal(x.new_zeros(()), 1.0).expand([x.shape[1]]).to_event(1))
     with pyro.plate("data", x.shape[0]):
         pyro.sample("y", dist.Bernoulli(logits=(x * w).sum(-1)), obs=y)
 

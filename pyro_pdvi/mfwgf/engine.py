@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 from pyro.infer.autoguide.initialization import init_to_median
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from ..checks import check_positive_int
 from ..errors import NonFiniteStepError
@@ -139,7 +139,7 @@ class MFWGF:
         factors = resolve_factors(self.factors, layout)
         potential = Potential(self.model, layout)
         generator = torch.Generator(device=layout.initial.device)
-        generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
+        generator.manual_seed(int(torch.randint(0, 2**62, (1,), device="cpu")))
         scheme = make_scheme(
             self.scheme_name,
             potential,
@@ -291,7 +291,7 @@ class MFWGF:
         dimensions; drawn with torch's global RNG, not the engine's generator."""
         self._require_setup()
         generator = torch.Generator(device=self._layout.initial.device)
-        generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
+        generator.manual_seed(int(torch.randint(0, 2**62, (1,), device="cpu")))
         _, local_log_probs = self._scheme.curvature_points(args, kwargs, generator)
         nesting = self._layout.max_plate_nesting
         return {

@@ -86,7 +86,7 @@ def resolve_factors(factors: FactorSpec, layout: SiteLayout) -> FactorLayout:
                 )
             owner[name] = j
     sites = {site.name: site for site in layout.sites}
-    factor_of = torch.empty(layout.size, dtype=torch.long)
+    factor_of = torch.empty(layout.size, dtype=torch.long, device="cpu")
     labels: list[str] = []
     for group in groups:
         for name in group:

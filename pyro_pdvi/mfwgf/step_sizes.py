@@ -69,7 +69,7 @@ def factor_curvatures(
     masks = masks[:, None, :]  # (m, 1, D)
     generator = torch.Generator().manual_seed(0)
     shape = (factors.num_factors, points.shape[0], points.shape[1])
-    directions = (torch.rand(shape, generator=generator, dtype=dtype).to(device) + 0.5) * masks
+    directions = (torch.rand(shape, generator=generator, dtype=dtype, device="cpu").to(device) + 0.5) * masks
     directions = directions / directions.norm(dim=-1, keepdim=True)
     norms = torch.zeros(shape[:2], dtype=dtype, device=device)
     for _ in range(1 if factors.all_scalar else num_iterations):
@@ -86,7 +86,9 @@ def coupling_eigenvalue(
     """Largest |eigenvalue| of ``S^(1/2) mean_b H(points[b]) S^(1/2)``, ``S = diag(steps)``."""
     generator = torch.Generator().manual_seed(1)
     root = steps.sqrt()
-    vector = torch.randn(points.shape[1], generator=generator, dtype=points.dtype).to(points.device)
+    vector = torch.randn(points.shape[1], generator=generator, dtype=points.dtype, device="cpu").to(
+        points.device
+    )
     vector = vector / vector.norm()
     eigenvalue = 0.0
     for _ in range(num_iterations):
