@@ -156,8 +156,9 @@ def trace_sites(
     :param init_loc_fn: per-site initialisation, as in ``pyro.infer.autoguide`` (e.g.
         ``init_to_median``); gives :attr:`SiteLayout.initial`.
     :param max_plate_nesting: plate dimensions of the model; guessed from the trace if ``None``.
-    :raises ValueError: for a discrete latent site not marked for parallel enumeration, or
-        for a model without a continuous latent site (both name the sites).
+    :raises ValueError: for a discrete latent site not marked for parallel enumeration, for a
+        model without a continuous latent site (both name the sites), or for a
+        ``max_plate_nesting`` below what the model uses.
     """
 
     def init_continuous(site: dict) -> torch.Tensor:  # discrete sites are summed out, not initialised
@@ -205,5 +206,12 @@ def trace_sites(
             f"{observed or 'none'}; observed sites and enumerated discrete sites are not moved). "
             "Add a latent pyro.sample site without obs=, or use pyro.infer.SVI for a model of params only"
         )
-    nesting = _plate_nesting(trace) if max_plate_nesting is None else max_plate_nesting
+    nesting = _plate_nesting(trace)
+    if max_plate_nesting is not None:
+        if max_plate_nesting < nesting:
+            raise ValueError(
+                f"max_plate_nesting={max_plate_nesting} is below the {nesting} batch dimensions the model's "
+                "sites use (plates, or batch dimensions without a plate); pass at least that, or None"
+            )
+        nesting = max_plate_nesting
     return SiteLayout(tuple(sites), tuple(enumerated), nesting, torch.cat(initial))

@@ -33,12 +33,12 @@ def test_grid_log_joint_is_the_models_log_density(benchmark):
 
 
 def test_benchmark_runs_tiny(benchmark, tmp_path):
-    args = benchmark.parse_args(
-        ["--out", str(tmp_path), "--particles", "100", "--steps", "20", "--svi-steps", "20",
-         "--svi-lrs", "0.05", "--svi-particles", "1,4", "--bias-fractions", "0.5", "--bias-snapshots", "3", "--grid", "21",
-         "--gmm-data", "30", "--gmm-particles", "20", "--gmm-steps", "5", "--scaling-particles", "20",
-         "--scaling-dims", "2", "--scaling-steps", "2", "--quiet"]
-    )  # fmt: skip
+    tiny = (
+        "--particles 100 --steps 20 --svi-steps 20 --svi-lrs 0.05 --svi-particles 1,4 --bias-fractions 0.5 "
+        "--bias-snapshots 3 --grid 21 --gmm-data 30 --gmm-particles 20 --gmm-steps 5 "
+        "--scaling-particles 20 --scaling-dims 2 --scaling-steps 2 --quiet"
+    )
+    args = benchmark.parse_args(["--out", str(tmp_path), *tiny.split()])
     dtype = torch.get_default_dtype()
     try:
         results = benchmark.main(args)

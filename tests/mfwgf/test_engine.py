@@ -181,6 +181,15 @@ def test_model_that_does_not_broadcast_over_particles_is_named():
         MFWGF(model, num_particles=10).step(torch.ones(3))
 
 
+def test_too_small_max_plate_nesting_is_refused():
+    x, y = regression_data()
+    with pytest.raises(ValueError, match="max_plate_nesting=0 is below the 1"):
+        MFWGF(regression, num_particles=10, max_plate_nesting=0).step(x, y)
+    mf = MFWGF(regression, num_particles=10, max_plate_nesting=2)  # more is allowed
+    mf.step(x, y)
+    assert mf.get_samples()["w"].shape == (10, 2)
+
+
 def test_coupled_discrete_sites_are_refused():
     def model():
         loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
