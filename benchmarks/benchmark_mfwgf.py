@@ -565,13 +565,13 @@ def section_gmm(args, device: torch.device, out: Path) -> list[dict]:
         )
         if scheme == "gaussian":
             loc, scale = mf.gaussian_factors()["c"]
-            loc, var = loc, scale.square()
+            loc, var, count = loc, scale.square(), f"{particles} configurations"
         else:
             c = mf.get_samples()["c"]
-            loc, var = c.mean(0), c.var(0)
+            loc, var, count = c.mean(0), c.var(0), f"{particles} particles"
         rows.append(
             {
-                "method": f"MF-WGF {scheme}, {particles} particles, {args.gmm_steps} steps",
+                "method": f"MF-WGF {scheme}, {count}, {args.gmm_steps} steps",
                 "seconds": seconds,
                 **errors(loc, var),
             }
