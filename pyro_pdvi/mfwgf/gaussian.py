@@ -9,12 +9,13 @@ by its quadratic model about the current factor,
 potential is affine) and in closed form::
 
     mu = mu_0 - tau g / (1 + tau a)                     # implicit (proximal) in the mean
-    (a + 1/tau) s^2 - (s_0 / tau) s - 1 = 0             # the entropy's proximal step in s
+    (a + 1/tau) s^2 - (s_0 / tau) s - 1 = 0             # proximal in s: -log s is the entropy
 
 For a Gaussian target ``V_j`` *is* quadratic, so this is the exact JKO step [1, eq. 16]
 and its fixed point the exact mean-field optimum (means ``m``, variances ``1/Lambda_jj``)
 for every ``tau``; for other targets its fixed point is the mean-field Gaussian
-(``AutoNormal``) optimum, ``E_q[dV] = 0`` and ``s^2 = 1 / E_q[d^2 V]``.
+(``AutoNormal``) optimum, ``E_q[dV] = 0`` and ``s^2 = 1 / E_q[d^2 V]``, up to the Monte
+Carlo error of ``g`` and ``a``.
 
 ``g`` and ``a`` are averages over ``n`` configurations ``mu + s * eps`` from all factors
 at once; ``a`` by Stein's identity ``E[d^2V/dx_j^2] = E[dV/dx_j eps_j] / s_j``, so one
