@@ -1,0 +1,5 @@
+"""MF-WGF: mean-field variational inference by Wasserstein gradient flow (seed 002)."""
+
+from .engine import MFWGF
+
+__all__ = ["MFWGF"]
