@@ -1,5 +1,6 @@
 """pyro-pdvi: scalable mean-field VI by preconditioned primal-dual optimisation
-(PD-VI and P2D-VI), as a drop-in replacement for :class:`pyro.infer.SVI`."""
+(PD-VI and P2D-VI), as a drop-in replacement for :class:`pyro.infer.SVI`, and mean-field VI
+by Wasserstein gradient flow (:class:`MFWGF`), a particle engine for the same optimum."""
 
 from .errors import NonFiniteStepError, VectorizationError
 from .infer import (
@@ -12,6 +13,7 @@ from .infer import (
     GenericSolver,
     RunResult,
 )
+from .mfwgf import MFWGF
 
 __version__ = "0.2.0"
 
@@ -23,6 +25,7 @@ __all__ = [
     "BlockSolution",
     "BlockSolver",
     "GenericSolver",
+    "MFWGF",
     "NonFiniteStepError",
     "RunResult",
     "VectorizationError",

@@ -1,4 +1,4 @@
-"""benchmarks/benchmark_mfwgf.py runs end to end at a tiny size, and its grid reference
+"""benchmarks/mfwgf.py runs end to end at a tiny size, and its grid reference
 uses the same log-density as its Pyro model."""
 
 import importlib.util
@@ -9,12 +9,12 @@ import pytest
 import torch
 from pyro import poutine
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_mfwgf.py"
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "mfwgf.py"
 
 
 @pytest.fixture(scope="module")
 def benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_mfwgf", BENCHMARK)
+    spec = importlib.util.spec_from_file_location("mfwgf", BENCHMARK)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -22,7 +22,7 @@ table. ``--device cuda`` runs everything on the GPU.
 
 Example::
 
-    python benchmarks/benchmark_mfwgf.py --out results/mfwgf
+    python benchmarks/mfwgf.py --out results/mfwgf
 """
 
 from __future__ import annotations
