@@ -113,18 +113,19 @@ class DistributedPDVI(PDVI):
 
     # ------------------------------------------------------------ collectives
 
-    def _collective(self, operation: Callable[..., Any], *args: Any) -> None:
+    def _collective(self, operation: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         try:
-            operation(*args, group=self.process_group)
+            operation(*args, group=self.process_group, **kwargs)
         except Exception as error:  # the backends raise RuntimeError subclasses of their own
             raise DistributedStepError(
                 f"rank {self.rank}: a collective of step {self.num_steps + 1} failed ({error}); another "
                 "rank has probably stopped. Restart every rank from its last state_dict and param store."
             ) from error
 
-    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         total = tensor.detach().to(self._comm_device, copy=True)
-        self._collective(dist.all_reduce, total)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        self._collective(dist.all_reduce, total, op=reduce_op)
         return total.to(tensor.device)
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from .fisher import fisher_diagonal
 from .handlers import plate_entry
 from .objective import BlockObjective, loss_function
 from .params import ParamStoreView
-from .particles import check_particles, solve_loss
+from .particles import SolveLoss, check_particles, solve_loss
 from .problem import BlockProblem
 from .run import RunResult, run_epochs
 from .sites import GlobalLayout, find_sites, missing_subsample_message
@@ -295,58 +295,73 @@ class PDVI:
         return self._step(self.partition.blocks_in(self._step_subsample(args, kwargs)), args, kwargs)
 
     def _step(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> float:
-        """The algorithm's loop for the step's blocks: solve, move duals and consensus, write."""
-        if self._step_sizes.natural:
-            self._bound_step_sizes(block_ids, args, kwargs)
+        """The algorithm's loop for the step's blocks: solve, move duals and consensus, write;
+        then adapt the step sizes for the next steps."""
         epoch = self._block_visits // len(self.partition)
         solved = self._solve_everywhere(block_ids, args, kwargs)
         loss = self._commit(solved)
-        if self._step_sizes.natural and self._block_visits // len(self.partition) > epoch:
-            if self._step_sizes.set_fisher(self._measure_fisher(block_ids, args, kwargs)):
-                self._apply_step_sizes()
+        self._adapt_step_sizes(block_ids, epoch, args, kwargs)
+        return loss
+
+    def _adapt_step_sizes(self, block_ids: torch.Tensor, epoch: int, args: tuple, kwargs: dict) -> None:
+        """After an accepted step: under the natural rule, bound the step sizes by the curvature
+        of the blocks solved for the first time, and follow the guide's Fisher information once
+        an epoch; under the curvature rule, re-measure when ``remeasure_epochs`` say so."""
+        changed = False
+        if self._step_sizes.natural:
+            changed = self._bound_step_sizes(block_ids, args, kwargs)
+            if self._block_visits // len(self.partition) > epoch:
+                changed |= self._step_sizes.set_fisher(self._measure_fisher(block_ids, args, kwargs))
+        if changed:
+            self._apply_step_sizes()
         if self._step_sizes.remeasure_due(self._block_visits, len(self.partition)):
             self._remeasure(args, kwargs)
-        return loss
 
     def _measure_fisher(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         """The guide's Fisher diagonal at ``lambda_0`` (:mod:`~pyro_pdvi.infer.fisher`), on the
         given blocks (those of the step, whose arguments these are)."""
         auto = self.auto_step_size
-        blocks = [self.partition.block(b, self.device) for b in block_ids.tolist()[: auto.fisher_blocks]]
-        return fisher_diagonal(
-            self.guide,
-            self.plate,
-            self.layout,
-            self._state.consensus,
-            blocks,
-            args,
-            kwargs,
-            auto.fisher_samples,
-            self._draw_seed(),
-        )
+        seed = self._side_seed(self._block_visits)
+        fisher = torch.zeros_like(self._state.consensus)
+        # One estimate per block, added in block order: processes that share steps (one block
+        # each, usually) add theirs in the all-reduce to the same number.
+        for b in block_ids.tolist()[: auto.fisher_blocks]:
+            block = [self.partition.block(b, self.device)]
+            fisher += fisher_diagonal(
+                self.guide, self.plate, self.layout, self._state.consensus, block, args, kwargs,
+                auto.fisher_samples, seed + b,
+            )  # fmt: skip
+        count = torch.tensor([float(min(len(block_ids), auto.fisher_blocks))], dtype=fisher.dtype)
+        return self._all_reduce(fisher) / self._all_reduce(count.to(fisher.device))
 
-    def _bound_step_sizes(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> None:
-        """Before a block's first solve, measure its diagonal curvature at ``lambda_0`` (natural
-        rule: the bound ``eta_j <= 8 / max_b h_bj`` over the blocks seen so far)."""
+    def _bound_step_sizes(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+        """Measure the diagonal curvature of the blocks just solved for the first time, at the new
+        ``lambda_0`` (natural rule: the bound ``eta_j <= 8 / max_b h_bj`` over the blocks seen so
+        far). Processes that share steps take the max of theirs.
+
+        :returns: whether a bound grew.
+        """
         new = [b for b in block_ids.tolist() if b not in self._bounded_blocks]
-        if not new:
-            return
-        grew = False
+        if self._shares_steps:
+            if not float(self._all_reduce(torch.tensor([float(len(new))], dtype=torch.float64))):
+                return False
+        elif not new:
+            return False
+        curvature = torch.zeros_like(self._state.consensus)
+        probes = self.auto_step_size.curvature_probes
+        seed = self._side_seed(-1)
         for b in new:
-            curvature = diagonal_curvature(
-                self._block_gradient(b, args, kwargs),
-                self._state.consensus,
-                self.auto_step_size.curvature_probes,
-            )
-            grew |= self._step_sizes.bound_block_curvature(curvature)
+            gradient = self._block_gradient(b, args, kwargs, seed + b)
+            curvature = torch.maximum(curvature, diagonal_curvature(gradient, self._state.consensus, probes))
             self._bounded_blocks.add(b)
-        if grew:
-            self._apply_step_sizes()
+        return self._step_sizes.bound_block_curvature(self._all_reduce(curvature, op="max"))
 
-    def _block_gradient(self, b: int, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``lambda -> grad_lambda f_b(phi_b, lambda)`` at the block's current rows and one fixed noise."""
+    def _block_gradient(
+        self, b: int, args: tuple, kwargs: dict, seed: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``lambda -> grad_lambda f_b(phi_b, lambda)`` at the block's rows, the noise of ``seed``."""
         indices = self.partition.stacked(torch.tensor([b]), self.device)
-        losses = self._objective.bind(indices, [self._draw_seed()], args, kwargs)
+        losses = self._objective.bind(indices, [seed], args, kwargs)
         rows = self._params.rows(indices)
 
         def gradient(point: torch.Tensor) -> torch.Tensor:
@@ -420,6 +435,11 @@ class PDVI:
     def _draw_seed(self) -> int:
         return int(torch.randint(0, 2**62, (), generator=self._rng))
 
+    def _side_seed(self, salt: int) -> int:
+        """A seed of the step-size measurements that draws nothing from PDVI's generator (the
+        solves' noise does not depend on whether they run), from its first seed and ``salt``."""
+        return (self._rng.initial_seed() * 0x9E3779B97F4A7C15 + salt * 1000003) % 2**62
+
     def _block_seeds(self, block_ids: torch.Tensor) -> list[int]:
         """One noise seed per block of the step, from one draw: block ``b``'s seed depends on
         the draw and on ``b`` only, not on which other blocks share the step."""
@@ -454,9 +474,9 @@ class PDVI:
     #: Whether each step is shared with other processes (which must then act in step).
     _shares_steps = False
 
-    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the processes that share a step: the identity in one process
-        (:class:`~pyro_pdvi.distributed.DistributedPDVI` overrides it)."""
+    def _all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (or ``op="max"``) over the processes that share a step: the identity in one
+        process (:class:`~pyro_pdvi.distributed.DistributedPDVI` overrides it)."""
         return tensor
 
     def _commit(self, solved: StepSolution) -> float:
@@ -633,6 +653,12 @@ class PDVI:
         return {} if self._state is None else self._step_sizes.curvatures_as_dict()
 
     @property
+    def solve_loss(self) -> SolveLoss | None:
+        """The loss of the primal solves (:mod:`~pyro_pdvi.infer.particles`): its ELBO, whether
+        its particles are antithetic pairs, whether PDVI built it (``None`` before the first step)."""
+        return None if self._state is None else self._solve_loss
+
+    @property
     def state(self) -> ConsensusState | None:
         """Duals, block copies and consensus (``None`` before the first step)."""
         return self._state
@@ -691,6 +717,7 @@ class PDVI:
             "step_sizes": self._step_sizes.state_dict(),
             "consensus_state": self._state.state_dict(),
             "rng_state": self._rng.get_state(),
+            "bounded_blocks": sorted(self._bounded_blocks),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -710,5 +737,6 @@ class PDVI:
                 f"{self.partition.num_data}"
             )
         self._step_sizes.load_state_dict(state["step_sizes"])
+        self._bounded_blocks = set(state["bounded_blocks"])
         self._state.load_state_dict(state["consensus_state"])
         self._rng.set_state(state["rng_state"])

@@ -453,21 +453,26 @@ class StepSizes:
         """``eta`` of every coordinate of the flat global vector, dtype and device of ``like``."""
         etas = self.etas[self.group_of]
         if self.natural and self.fisher is not None:
-            auto = self.measured_groups[self.group_of] & (self.fisher > 0)
+            # Coordinates without Fisher information keep their group's curvature rule.
+            informed = self.measured_groups[self.group_of] & (self.fisher > 0)
             tiny = torch.finfo(torch.float64).tiny
             natural = self.auto.scale * self.num_blocks / self.fisher.clamp(min=tiny)
             if self.block_curvature is not None:
                 # A coordinate that few blocks inform is as stiff in one block as in all of them.
-                bound = BLOCK_CURVATURE_BOUND / self.block_curvature.clamp(min=tiny)
-                natural = torch.minimum(natural, bound)
-            etas = torch.where(auto, natural, etas)
+                natural = torch.minimum(natural, BLOCK_CURVATURE_BOUND / self.block_curvature.clamp(min=tiny))
+            etas = torch.where(informed, natural, etas)
         return etas.to(like)
 
     def as_dict(self) -> dict[str, float]:
-        """``{group name: eta_j}``: a group's step size, or under the natural rule the
-        geometric mean of its coordinates' step sizes."""
+        """``{group name: eta_j}``: a group's step size, or where its coordinates differ (the
+        natural rule) their geometric mean."""
         etas = self.per_coordinate(torch.zeros((), dtype=torch.float64))
-        return {g.name: float(etas[self.group_of == j].log().mean().exp()) for j, g in enumerate(self.groups)}
+        summary = {}
+        for j, group in enumerate(self.groups):
+            values = etas[self.group_of == j]
+            equal = bool((values == values[0]).all())
+            summary[group.name] = float(values[0] if equal else values.log().mean().exp())
+        return summary
 
     def curvatures_as_dict(self) -> dict[str, float]:
         """``{group name: L_j}`` (empty before a measurement)."""

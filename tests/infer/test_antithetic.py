@@ -87,20 +87,25 @@ def test_odd_or_missing_particles_are_an_error_naming_the_site():
             _guide()
 
 
-def test_pdvi_rejects_an_elbo_without_paired_particles():
+def test_pdvi_rejects_an_elbo_without_paired_particles_when_it_solves_with_the_user_s():
+    """With particles=None the solves use the user's ELBO: antithetic=True needs its particles
+    in vectorized pairs, said at the first step (the guide's sites are known then)."""
     problem = Hierarchical(num_data=20, num_blocks=2)
     for loss in (Trace_ELBO(num_particles=4), TraceMeanField_ELBO(num_particles=5, vectorize_particles=True)):
+        pdvi = PDVI(
+            problem.model,
+            problem.guide,
+            pyro.optim.Adam({"lr": 0.1}),
+            loss,
+            blocks=problem.blocks,
+            antithetic=True,
+            particles=None,
+        )
         with pytest.raises(
             ValueError, match="antithetic=True needs the ELBO's particles vectorized in pairs"
         ):
-            PDVI(
-                problem.model,
-                problem.guide,
-                pyro.optim.Adam({"lr": 0.1}),
-                loss,
-                blocks=problem.blocks,
-                antithetic=True,
-            )
+            pdvi.step(problem.blocks[0])
+        assert pdvi.state is None
     with pytest.raises(ValueError, match="Invalid antithetic"):
         PDVI(
             problem.model,
@@ -112,17 +117,33 @@ def test_pdvi_rejects_an_elbo_without_paired_particles():
         )
 
 
-def test_antithetic_auto_is_on_exactly_for_paired_vectorized_particles():
+@pytest.mark.parametrize(
+    "loss, particles, paired, owned",
+    [
+        (TraceMeanField_ELBO(num_particles=8, vectorize_particles=True), None, True, False),
+        (TraceMeanField_ELBO(num_particles=7, vectorize_particles=True), None, False, False),
+        (TraceMeanField_ELBO(num_particles=8), None, False, False),
+        (Trace_ELBO(), None, False, False),
+        (Trace_ELBO(), "auto", True, True),  # PDVI solves with 16 vectorized particles of its own
+        (TraceMeanField_ELBO(num_particles=32, vectorize_particles=True), "auto", True, False),
+        (Trace_ELBO().differentiable_loss, "auto", False, False),  # a callable: nothing to rebuild
+    ],
+)
+def test_antithetic_auto_is_on_exactly_for_paired_vectorized_particles(loss, particles, paired, owned):
     problem = Hierarchical(num_data=20, num_blocks=2)
-
-    def pdvi(loss):
-        return PDVI(problem.model, problem.guide, pyro.optim.Adam({"lr": 0.1}), loss, blocks=problem.blocks)
-
-    assert pdvi(TraceMeanField_ELBO(num_particles=8, vectorize_particles=True)).antithetic is True
-    assert pdvi(TraceMeanField_ELBO(num_particles=7, vectorize_particles=True)).antithetic is False
-    assert pdvi(TraceMeanField_ELBO(num_particles=8)).antithetic is False
-    assert pdvi(Trace_ELBO()).antithetic is False
-    assert pdvi(Trace_ELBO().differentiable_loss).antithetic is False
+    pdvi = PDVI(
+        problem.model,
+        problem.guide,
+        pyro.optim.Adam({"lr": 0.1}),
+        loss,
+        blocks=problem.blocks,
+        particles=particles,
+    )
+    pdvi.step(problem.blocks[0])
+    assert pdvi.solve_loss.antithetic is paired and pdvi.solve_loss.owned is owned
+    if owned:
+        assert pdvi.solve_loss.loss.num_particles == 16 and pdvi.solve_loss.loss.vectorize_particles
+        assert type(pdvi.solve_loss.loss) is type(loss) and loss.num_particles == 1  # the user's is untouched
 
 
 def test_svi_steps_under_antithetic_noise():

@@ -120,7 +120,9 @@ def _run(pdvi, blocks, schedule):
     return torch.stack(trajectory)
 
 
-REMEASURE = dict(eta=AutoStepSize(curvature_blocks=1, curvature_iterations=2, remeasure_epochs=(1, 2)))
+REMEASURE = dict(
+    eta=AutoStepSize(rule="curvature", curvature_blocks=1, curvature_iterations=2, remeasure_epochs=(1, 2))
+)
 
 
 @pytest.mark.parametrize(
@@ -282,14 +284,10 @@ def test_per_datum_blocks_small_global_dimension():
 
 
 def test_one_particle_monte_carlo_solve_warns():
+    """particles=None solves with the user's one-particle ELBO: PDVI says what that does."""
     problem = Hierarchical(num_data=20, num_blocks=4)
-    pdvi = _pdvi(
-        problem,
-        loss=Trace_ELBO(),
-        solver=GenericSolver(inner_steps=2),
-        eta=AutoStepSize(curvature_blocks=1, curvature_iterations=1),
-    )
-    with pytest.warns(UserWarning, match=r"one particle for the sampled guide sites \['mu', 'theta'\]"):
+    pdvi = _pdvi(problem, loss=Trace_ELBO(), particles=None, solver=GenericSolver(inner_steps=2), eta=0.1)
+    with pytest.warns(UserWarning, match=r"the solve's loss draws one particle.*particles='auto'"):
         pdvi.step(problem.blocks[0])
 
 

@@ -90,7 +90,7 @@ def test_auto_eta_is_exact_on_the_quadratic_at_set_up_and_after_a_remeasure():
     pdvi = _quadratic_pdvi(
         problem,
         groups="per_site",
-        eta=AutoStepSize(curvature_blocks=4, curvature_iterations=1, remeasure_epochs=(1,)),
+        eta=AutoStepSize(rule="curvature", curvature_blocks=4, curvature_iterations=1, remeasure_epochs=(1,)),
     )
     for step, b in enumerate([0, 1, 2, 3]):
         pdvi.step(problem.blocks[b])
@@ -122,7 +122,7 @@ def test_remeasure_keeps_the_largest_curvature_and_leaves_fixed_steps_alone():
         problem,
         groups=[{"sites": ["a"], "name": "a"}, {"sites": ["b"], "eta": fixed_b, "name": "b"}],
         eta=AutoStepSize(
-            curvature_blocks=1, curvature_iterations=2, remeasure_epochs=(2, 0.5, 1)
+            rule="curvature", curvature_blocks=1, curvature_iterations=2, remeasure_epochs=(2, 0.5, 1)
         ),  # sorted: after 3, 6 and 12 block visits
     )
     measured = _record_measurements(pdvi)
@@ -147,7 +147,10 @@ def test_changing_eta_mid_run_keeps_the_exact_fixed_point():
     phi_opt, lam_opt = problem.optimum()
     pyro.set_rng_seed(1)  # set-up measures a block that is not the stiffest: eta shrinks at epoch 2
     pdvi = _quadratic_pdvi(
-        problem, eta=AutoStepSize(curvature_blocks=1, curvature_iterations=2, remeasure_epochs=(1, 2, 3, 4))
+        problem,
+        eta=AutoStepSize(
+            rule="curvature", curvature_blocks=1, curvature_iterations=2, remeasure_epochs=(1, 2, 3, 4)
+        ),
     )
     etas = []
     for _ in range(80):
