@@ -22,8 +22,8 @@ from ..checks import check_positive_int
 from .antithetic import antithetic_loss, check_antithetic_loss, has_particle_pairs
 from .objective import loss_function
 
-#: Particles of a block solve with ``particles="auto"``.
-AUTO_PARTICLES = 16
+#: Particles of a block solve with ``particles="auto"`` when the user's ELBO does not vectorize any.
+AUTO_PARTICLES = 64
 
 #: ELBOs that PDVI can rebuild with other particles (same constructor arguments).
 REBUILDABLE = (Trace_ELBO, TraceMeanField_ELBO, TraceEnum_ELBO)
@@ -88,11 +88,11 @@ def solve_loss(
     """
     loss, owned = user_loss, False
     if monte_carlo and particles is not None:
-        wanted = AUTO_PARTICLES if particles == "auto" else particles
-        if getattr(user_loss, "num_particles", wanted) < wanted or particles != "auto":
-            rebuilt = with_particles(user_loss, wanted)
-            if rebuilt is not None:
-                loss, owned = rebuilt, True
+        if particles != "auto":
+            loss = with_particles(user_loss, particles) or user_loss
+        elif not (getattr(user_loss, "vectorize_particles", False) and user_loss.num_particles > 1):
+            loss = with_particles(user_loss, AUTO_PARTICLES) or user_loss
+        owned = loss is not user_loss
     if antithetic == "auto":
         antithetic = has_particle_pairs(loss)
     elif antithetic:

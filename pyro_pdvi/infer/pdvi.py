@@ -110,9 +110,10 @@ class PDVI:
     :param warmup_epochs: epochs (block visits / n) of the paper's rule before ``"auto"``
         switches to the consensus rule for a Monte Carlo solve.
     :param particles: Monte Carlo particles of a block solve (:mod:`~pyro_pdvi.infer.particles`):
-        ``"auto"`` (default) solves with a copy of the user's ELBO that draws 16 vectorized
-        particles (or the ELBO's own, if more), whatever the user's ``num_particles``; an even
-        number sets them; ``None`` solves with the user's ELBO as it is.
+        ``"auto"`` (default) solves with a copy of the user's ELBO that draws 64 vectorized
+        particles when the user's ELBO does not vectorize several (Pyro's default draws one),
+        else with the user's ELBO; an even number sets them; ``None`` solves with the user's
+        ELBO as it is.
     :param antithetic: draw every Gaussian guide site's noise in antithetic pairs over the
         solve's vectorized particles (:mod:`~pyro_pdvi.infer.antithetic`), which removes the
         term linear in the noise from a fixed-noise block solve. ``"auto"`` (default): on
@@ -217,6 +218,7 @@ class PDVI:
             self.model, self.guide, self._solve_loss.fn, self.plate, self.layout, self.local_sites
         )
         groups = resolve_groups(self.groups, self.layout.names, self.eta)
+        self.auto_step_size = self.auto_step_size.resolved(isinstance(self.solver, GenericSolver))
         self._step_sizes = StepSizes(groups, self.layout, self.auto_step_size, len(self.partition))
         consensus = self._params.consensus()
         self.device = consensus.device

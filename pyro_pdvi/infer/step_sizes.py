@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -221,7 +221,7 @@ def _check_epochs(epochs: Sequence[float], name: str) -> tuple[float, ...]:
 
 
 #: Rules of ``eta="auto"`` (:class:`AutoStepSize`).
-RULES = ("natural", "curvature")
+RULES = ("auto", "natural", "curvature")
 
 #: The natural rule follows a coordinate's Fisher information when it moved by more than this factor.
 FISHER_TOLERANCE = 2.0
@@ -238,7 +238,9 @@ DEFAULT_SCALES = {"natural": 1.0, "curvature": 2.0}
 class AutoStepSize:
     """How ``eta="auto"`` sets the step sizes of its groups.
 
-    * ``rule="natural"`` (default): a step size per coordinate, ``eta_j = scale * n / F_j``
+    * ``rule="auto"`` (default): the natural rule for the generic solver, the curvature rule
+      for a model's own (closed-form) solver, which measures the reduced curvature through it.
+    * ``rule="natural"``: a step size per coordinate, ``eta_j = scale * n / F_j``
       with ``F_j`` the guide's Fisher information in param coordinate ``j``
       (:mod:`~pyro_pdvi.infer.fisher`), measured again after every epoch, so that each block's
       penalty ``1/2 ||lambda_b - lambda_0||^2_D`` is ``1/scale`` of a block's share of the
@@ -251,7 +253,7 @@ class AutoStepSize:
 
     Pass ``PDVI(..., eta=AutoStepSize(...))``; ``eta="auto"`` is ``AutoStepSize()``.
 
-    :param rule: ``"natural"`` or ``"curvature"``.
+    :param rule: ``"auto"``, ``"natural"`` or ``"curvature"``.
     :param scale: the constant of the rule (default :data:`DEFAULT_SCALES`). For
         ``"curvature"`` the default 2 is a compromise measured in ``docs/benchmarks.md``: of
         1, 2 and 4 it was best on the AutoDelta MAP test and for PD-VI on the quadratic.
@@ -269,7 +271,7 @@ class AutoStepSize:
         ``h = H mean(mu)``, so the fixed point is unchanged (``docs/benchmarks.md``, section 9).
     """
 
-    rule: str = "natural"
+    rule: str = "auto"
     scale: float | None = None
     fisher_samples: int = 16
     fisher_blocks: int = 2
@@ -281,10 +283,18 @@ class AutoStepSize:
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"Invalid rule: {self.rule!r}; use one of {RULES}")
-        if self.scale is None:
+        if self.scale is None and self.rule != "auto":
             object.__setattr__(self, "scale", DEFAULT_SCALES[self.rule])
-        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not self.scale > 0:
+        if self.scale is not None and (
+            isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not self.scale > 0
+        ):
             raise ValueError(f"Invalid scale: {self.scale!r}; use a positive float")
+
+    def resolved(self, generic_solver: bool) -> AutoStepSize:
+        """The rule ``"auto"`` made concrete for a run with or without the generic solver."""
+        if self.rule != "auto":
+            return self
+        return replace(self, rule="natural" if generic_solver else "curvature")
         for name in (
             "fisher_samples",
             "fisher_blocks",

@@ -124,7 +124,7 @@ def test_pdvi_rejects_an_elbo_without_paired_particles_when_it_solves_with_the_u
         (TraceMeanField_ELBO(num_particles=7, vectorize_particles=True), None, False, False),
         (TraceMeanField_ELBO(num_particles=8), None, False, False),
         (Trace_ELBO(), None, False, False),
-        (Trace_ELBO(), "auto", True, True),  # PDVI solves with 16 vectorized particles of its own
+        (Trace_ELBO(), "auto", True, True),  # PDVI solves with 64 vectorized particles of its own
         (TraceMeanField_ELBO(num_particles=32, vectorize_particles=True), "auto", True, False),
         (Trace_ELBO().differentiable_loss, "auto", False, False),  # a callable: nothing to rebuild
     ],
@@ -142,7 +142,7 @@ def test_antithetic_auto_is_on_exactly_for_paired_vectorized_particles(loss, par
     pdvi.step(problem.blocks[0])
     assert pdvi.solve_loss.antithetic is paired and pdvi.solve_loss.owned is owned
     if owned:
-        assert pdvi.solve_loss.loss.num_particles == 16 and pdvi.solve_loss.loss.vectorize_particles
+        assert pdvi.solve_loss.loss.num_particles == 64 and pdvi.solve_loss.loss.vectorize_particles
         assert type(pdvi.solve_loss.loss) is type(loss) and loss.num_particles == 1  # the user's is untouched
 
 
