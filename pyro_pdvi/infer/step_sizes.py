@@ -289,12 +289,6 @@ class AutoStepSize:
             isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not self.scale > 0
         ):
             raise ValueError(f"Invalid scale: {self.scale!r}; use a positive float")
-
-    def resolved(self, generic_solver: bool) -> AutoStepSize:
-        """The rule ``"auto"`` made concrete for a run with or without the generic solver."""
-        if self.rule != "auto":
-            return self
-        return replace(self, rule="natural" if generic_solver else "curvature")
         for name in (
             "fisher_samples",
             "fisher_blocks",
@@ -304,6 +298,12 @@ class AutoStepSize:
         ):
             check_positive_int(getattr(self, name), name)
         object.__setattr__(self, "remeasure_epochs", _check_epochs(self.remeasure_epochs, "remeasure_epochs"))
+
+    def resolved(self, generic_solver: bool) -> AutoStepSize:
+        """The rule ``"auto"`` made concrete for a run with or without the generic solver."""
+        if self.rule != "auto":
+            return self
+        return replace(self, rule="natural" if generic_solver else "curvature")
 
 
 class StepSizes:
