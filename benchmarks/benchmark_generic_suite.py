@@ -1,5 +1,5 @@
 """Issue 13's measuring instrument: PDVI against the best-tuned SVI+Adam on a suite of
-ordinary Pyro models, at equal fitting seconds and at equal epochs.
+ordinary Pyro models, at equal fitting CPU seconds and at equal epochs.
 
 Models (``--models``; details in ``benchmarks/generic_suite/models.py``): ``logreg``
 (Bayesian logistic regression, breast_cancer, 20 blocks sorted by label), ``ppca`` (PPCA
@@ -13,8 +13,9 @@ Each model has an independent reference: the optimum of its mean-field family, f
 closed-form ELBO (L-BFGS and Newton, CAVI for PPCA, full-batch CAVI for the GMM), in float64.
 Every method starts from the same params, visits the blocks in the same shuffled order per
 epoch (from the seed) and runs with the user's ELBO, in float32 unless ``--dtype float64``.
-Only the steps are timed. Methods: SVI+Adam over ``--svi-lrs`` and one decaying schedule
-(``--decay-lr``), and PDVI in the named configurations of
+Only the steps are timed, in CPU seconds of the process (one torch thread), which a machine
+shared with other jobs disturbs much less than wall time. Methods: SVI+Adam over ``--svi-lrs``
+and one decaying schedule (``--decay-lr``), and PDVI in the named configurations of
 ``benchmarks/generic_suite/baselines.py`` (``PDVI_CONFIGS``): ``--pdvi-configs`` on every
 seed, the fixed-eta grid ``--eta-grid`` on the first seed only.
 
@@ -102,14 +103,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--budget-seconds",
         type=float,
         default=None,
-        help="fitting seconds per run (steps only, not metrics) for every model but the GMM "
+        help="fitting CPU seconds per run (steps only, not metrics) for every model but the GMM "
         "(default 20, quick 5); a run stops at the first step past it",
     )
     parser.add_argument(
         "--gmm-budget-seconds",
         type=float,
         default=None,
-        help="fitting seconds per run for the GMM (default 600, quick 60): a generic PDVI epoch of "
+        help="fitting CPU seconds per run for the GMM (default 600, quick 60): a generic PDVI epoch of "
         "it takes minutes today",
     )
     parser.add_argument(
@@ -122,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--checkpoints",
         type=comma_list(float),
         default=None,
-        help="fitting seconds at which errors are compared (default 5,10,20; quick 1,2.5); the "
+        help="fitting CPU seconds at which errors are compared (default 5,10,20; quick 1,2.5); the "
         "budget's end is always added",
     )
     parser.add_argument(

@@ -241,7 +241,9 @@ class ModelReport:
                     ax.set_yscale("symlog", linthresh=1e-6)
                 else:
                     ax.set_yscale("log")
-                ax.set_xlabel("fitting seconds (1 thread)" if axis == "seconds" else "epochs")
+                if axis == "epoch":  # PDVI runs few epochs where SVI runs hundreds
+                    ax.set_xscale("symlog", linthresh=1.0)
+                ax.set_xlabel("fitting CPU seconds (1 thread)" if axis == "seconds" else "epochs")
                 ax.set_ylabel(metric)
         axes[0][0].legend(fontsize=7)
         fig.suptitle(
@@ -338,12 +340,14 @@ def write_csvs(out: Path, results: list[RunResult], accuracy_rows: list[dict], c
     with open(out / "runs.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(
-            ["model", "family", "config", "seed", "status", "epochs", "fit_seconds", "steps", "median_step_s",
-             "first_step_s", "setup_s", "step_sizes", "load_before", "load_after", "wall_s", "warnings"]
+            ["model", "family", "config", "seed", "status", "epochs", "fit_cpu_s", "fit_wall_s", "steps",
+             "median_step_s", "first_step_s", "setup_s", "step_sizes", "load_before", "load_after",
+             "run_wall_s", "warnings"]
         )  # fmt: skip
         for r in results:
             writer.writerow(
-                [r.model, r.family, r.config, r.seed, r.status, r.epochs, r.seconds, len(r.step_seconds),
+                [r.model, r.family, r.config, r.seed, r.status, r.epochs, r.seconds, r.fit_wall_seconds,
+                 len(r.step_seconds),
                  r.median_step, r.step_seconds[0] if r.step_seconds else "", r.setup_seconds,
                  json.dumps(r.step_sizes), r.load[0], r.load[1], r.wall_seconds, " || ".join(r.warnings)]
             )  # fmt: skip
