@@ -127,6 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "budget's end is always added",
     )
     parser.add_argument(
+        "--gmm-checkpoints",
+        type=comma_list(float),
+        default=None,
+        help="the same for the GMM (default 60,120,300; quick 15,30)",
+    )
+    parser.add_argument(
         "--evals-per-budget",
         type=int,
         default=40,
@@ -187,6 +193,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, quick if args.quick else full)
     if args.checkpoints is None:
         args.checkpoints = [1.0, 2.5] if args.quick else [5.0, 10.0, 20.0]
+    if args.gmm_checkpoints is None:
+        args.gmm_checkpoints = [15.0, 30.0] if args.quick else [60.0, 120.0, 300.0]
     return args
 
 
@@ -275,7 +283,8 @@ def main(args: argparse.Namespace) -> dict:
                         f"{result.status[:90]}",
                         flush=True,
                     )
-            model_report = report.ModelReport(problem, reference, results, args.checkpoints, budget)
+            checkpoints = args.gmm_checkpoints if name == "gmm" else args.checkpoints
+            model_report = report.ModelReport(problem, reference, results, checkpoints, budget)
             table, rows = model_report.accuracy_table()
             rises = model_report.rises_table() if name == "ppca" else ""
             section = intro + "\n\n" + table + ("\n\nDoes the objective rise?\n\n" + rises if rises else "")
