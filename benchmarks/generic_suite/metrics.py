@@ -8,6 +8,8 @@ Metrics (all in float64; smaller is better; the global sites are those outside t
   locs, i.e. in the unconstrained space: the mean of ``log tau`` for a LogNormal site);
   PPCA: of ``W_loc`` after matching its columns to the reference's (permutation and signs).
 * ``sd_error``: root mean square of ``s / s* - 1`` over the global variational sds.
+* ``min_sd_ratio``: the smallest ``s / s*`` over the global variational sds (GMM: of the
+  centres' sds): a collapsed scale shows as a value near 0 (the report flags < 0.01).
 * ``elbo_gap``: ``(L - L*) / |L*|`` with ``L`` the closed-form negative ELBO at the fit's
   params (its own local params included) and ``L*`` the reference's.
 * ``elbo_gap_resolved`` (PPCA, GMM): the same with the local params replaced by their exact
@@ -108,9 +110,11 @@ class Scorer:
         ref = self.reference.params
         locs = [n for n in names if not is_scale(n)]
         scales = [n for n in names if is_scale(n)]
+        ratios = torch.cat([(params[n] / ref[n]).reshape(-1) for n in scales])
         return {
             "rmse_mean": rms(torch.cat([(params[n] - ref[n]).reshape(-1) for n in locs])),
-            "sd_error": rms(torch.cat([(params[n] / ref[n] - 1).reshape(-1) for n in scales])),
+            "sd_error": rms(ratios - 1),
+            "min_sd_ratio": float(ratios.min()),
         }
 
     def _auto_normal(self, params) -> dict[str, float]:
@@ -134,9 +138,11 @@ class Scorer:
         ref = self.reference.params
         order, signs = align_columns(params["W_loc"], ref["W_loc"])
         resolved = {**params, **ppca_locals(self.problem, params["W_loc"], params["W_scale"])}
+        ratios = params["W_scale"][:, order] / ref["W_scale"]
         return {
             "rmse_mean": rms(params["W_loc"][:, order] * signs - ref["W_loc"]),
-            "sd_error": rms(params["W_scale"][:, order] / ref["W_scale"] - 1),
+            "sd_error": rms(ratios - 1),
+            "min_sd_ratio": float(ratios.min()),
             "elbo_gap": self.gap(params),
             "elbo_gap_resolved": self.gap(resolved),
         }
@@ -144,8 +150,13 @@ class Scorer:
     def _gmm(self, params) -> dict[str, float]:
         prior, data = self.problem.prior64, self.problem.data["x"]
         resolved = dict(params, alpha=expected_log_likelihood(data, prior, params["m"], params["rho"]))
+        # Components matched to the reference's by their means (the labels are arbitrary).
+        ref_m, ref_rho = self.reference.params["m"], self.reference.params["rho"]
+        rows, cols = linear_sum_assignment(torch.cdist(params["m"], ref_m).numpy())
+        ratios = (0.5 * (params["rho"][rows] - ref_rho[cols])).exp()
         return {
             "w2_ratio": self._w2(params["m"], params["rho"]) / self.reference_w2,
+            "min_sd_ratio": float(ratios.min()),
             "elbo_gap": self.gap(params),
             "elbo_gap_resolved": self.gap(resolved),
         }

@@ -67,9 +67,18 @@ def best_svi(groups: dict[str, list[RunResult]], metric: str, **where) -> tuple[
     return best, name
 
 
+#: A global sd below this fraction of the reference's at the end of a run is reported as collapsed.
+COLLAPSED = 0.01
+
+
 def status_of(runs: list[RunResult]) -> str:
+    """ "ok", or each seed's early stop and collapsed scale."""
     bad = [f"seed {r.seed}: {r.status}" for r in runs if r.status != "ok"]
-    return "; ".join(bad)[:160] if bad else "ok"
+    for r in runs:
+        ratio = r.history[-1].get("min_sd_ratio", 1.0) if r.history else 1.0
+        if ratio < COLLAPSED:
+            bad.append(f"seed {r.seed}: collapsed scale (min sd/sd* {ratio:.1e})")
+    return "; ".join(bad)[:300] if bad else "ok"
 
 
 class ModelReport:
