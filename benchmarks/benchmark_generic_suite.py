@@ -180,6 +180,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="torch device of the fits (references: CPU float64)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (torch.set_num_threads)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    parser.add_argument(
+        "--report-from",
+        type=comma_list(str),
+        default=[],
+        help="comma list of --out folders of finished runs: no fitting, the report (tables, CSVs, "
+        "plots) is made again from their history.csv and runs.csv, e.g. with other --checkpoints "
+        "or over runs split between processes; pass the runs' --quick and budgets",
+    )
     args = parser.parse_args(argv)
     unknown = [m for m in args.models if m not in PROBLEM_NAMES]
     if unknown:
@@ -241,6 +249,27 @@ def methods_for(name: str, args: argparse.Namespace, first_seed: bool) -> list:
     return svi_methods(lrs, decay, args.decay_epochs) + [pdvi(c) for c in configs]
 
 
+def run_model(problem, scorer, budget: float, args: argparse.Namespace) -> list:
+    """Every method on every seed (the eta grid on the first), after an untimed warm-up."""
+    # The first steps in a process pay one-off costs (lazy imports, allocator): not on anyone's clock.
+    for method in (svi_adam(0.01), pdvi("eta1")):
+        run_method(problem, method, scorer, args.seeds[0], 0.0, 1, float("inf"))
+    results = []
+    primary = PLOTTED[problem.name][0]
+    for seed in args.seeds:
+        for method in methods_for(problem.name, args, seed == args.seeds[0]):
+            result = run_method(
+                problem, method, scorer, seed, budget, args.epochs, budget / args.evals_per_budget
+            )
+            results.append(result)
+            print(
+                f"  seed {seed} {result.label:34s} epochs {result.epochs:8.2f}  "
+                f"{primary} {result.history[-1].get(primary, float('nan')):.4g}  {result.status[:90]}",
+                flush=True,
+            )
+    return results
+
+
 def main(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     logging.getLogger("pyro").setLevel(logging.WARNING)  # Pyro's "Guessed max_plate_nesting" lines
@@ -252,7 +281,8 @@ def main(args: argparse.Namespace) -> dict:
     header = environment()
     command = "python benchmarks/benchmark_generic_suite.py " + " ".join(sys.argv[1:])
     print(header)
-    sections, all_results, accuracy_rows, cost_rows, eta_rows = [], [], [], [], []
+    loaded = [r for folder in args.report_from for r in report.load_results(Path(folder))]
+    sections, all_results, accuracy_rows, cost_rows, eta_rows, summary_rows = [], [], [], [], [], []
     try:
         for name in args.models:
             problem = make_problem(name, args.quick, dtype, args.device)
@@ -261,28 +291,17 @@ def main(args: argparse.Namespace) -> dict:
             budget = args.gmm_budget_seconds if name == "gmm" else args.budget_seconds
             intro = (
                 f"\n## {name}: {problem.title}\n\nuser's ELBO `{problem.loss_name}`; "
-                f"budget {budget:g} s per run; "
+                f"budget {budget:g} CPU s per run; "
                 f"reference: {reference.method}, -ELBO {reference.neg_elbo:.6g}, gradient norm "
                 f"{reference.grad_norm:.1e}, {reference.seconds:.1f} s"
             )
             print(intro, flush=True)
-            # Untimed warm-up: the first steps in a process pay one-off costs (lazy imports, allocator).
-            for method in (svi_adam(0.01), pdvi("eta1")):
-                run_method(problem, method, scorer, args.seeds[0], 0.0, 1, float("inf"))
-            results = []
-            for seed in args.seeds:
-                for method in methods_for(name, args, seed == args.seeds[0]):
-                    result = run_method(
-                        problem, method, scorer, seed, budget, args.epochs, budget / args.evals_per_budget
-                    )
-                    results.append(result)
-                    last = result.history[-1]
-                    print(
-                        f"  seed {seed} {result.label:34s} epochs {result.epochs:8.2f}  "
-                        f"{PLOTTED[name][0]} {last.get(PLOTTED[name][0], float('nan')):.4g}  "
-                        f"{result.status[:90]}",
-                        flush=True,
-                    )
+            if args.report_from:
+                results = [r for r in loaded if r.model == name]
+            else:
+                results = run_model(problem, scorer, budget, args)
+            if not results:
+                continue
             checkpoints = args.gmm_checkpoints if name == "gmm" else args.checkpoints
             model_report = report.ModelReport(problem, reference, results, checkpoints, budget)
             table, rows = model_report.accuracy_table()
@@ -292,12 +311,15 @@ def main(args: argparse.Namespace) -> dict:
             sections.append(section)
             all_results += results
             accuracy_rows += rows
+            summary_rows.append(model_report.summary_row())
             cost_rows.append(model_report.cost_row())
             eta_rows.append(model_report.eta_row(args.gmm_eta_grid if name == "gmm" else args.eta_grid))
             if not args.no_plots:
                 model_report.plot(out / f"{name}.png")
         tables = [
-            "## Cost of a step (median over all steps but the first; set-up = first step - median)\n\n"
+            "## Summary: PDVI against the best SVI at the budget's end and at equal epochs\n\n"
+            + report.summary_table(summary_rows),
+            "## Cost of a step (CPU s, median over steps but the first; set-up = first step - median)\n\n"
             + report.cost_table(cost_rows),
             "## eta='auto' against fixed eta (first seed, error at the budget's end)\n\n"
             + report.eta_table(eta_rows, {k: v[0] for k, v in PLOTTED.items()}),

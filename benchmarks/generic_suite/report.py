@@ -144,24 +144,47 @@ class ModelReport:
             rows.append(row)
         return "\n".join(lines), rows
 
+    def summary_row(self) -> dict:
+        """One line for the summary table: the best SVI, PDVI defaults and the best PDVI
+        configuration at the budget's end, and PDVI defaults against the best SVI at equal epochs."""
+        groups = self.main_groups()
+        end = self.budget
+        svi, svi_name = best_svi(groups, self.primary, seconds=end)
+        row = {"model": self.problem.name, "metric": self.primary, "budget": end}
+        row.update(best_svi=svi, best_svi_config=svi_name)
+        pdvi = {label: runs for label, runs in groups.items() if runs[0].family == "PDVI"}
+        values = {label: mean_at(runs, self.primary, seconds=end) for label, runs in pdvi.items()}
+        defaults = pdvi.get("PDVI defaults")
+        row["defaults"] = values.get("PDVI defaults")
+        row["defaults_status"] = status_of(defaults) if defaults else "-"
+        finite = {k: v for k, v in values.items() if v is not None}
+        if finite:
+            best = min(finite, key=finite.get)
+            row.update(best_pdvi=finite[best], best_pdvi_config=best.removeprefix("PDVI "))
+        if defaults:
+            equal = min(r.epochs for r in defaults)
+            row["equal_epochs"] = equal
+            row["defaults_at_equal_epochs"] = mean_at(defaults, self.primary, epoch=equal)
+            row["best_svi_at_equal_epochs"] = best_svi(groups, self.primary, epoch=equal)[0]
+        return row
+
     # ------------------------------------------------------------------ table 2: cost per step
 
     def cost_row(self) -> dict:
-        """Median step seconds (first steps excluded) and the set-up estimate; where every run
-        of a configuration spent its budget in the first step, the first step's seconds as a
-        lower bound of the set-up (``setup_at_least``)."""
-        svi = [r for r in self.results if r.family == "SVI"]
+        """Median CPU seconds of a step (each run's median over its steps but the first; then the
+        median over runs) and the set-up estimate (first step - median); where every run of a
+        configuration spent its budget in its first step, the first step's seconds as a lower
+        bound of the set-up (``setup_at_least``)."""
         row = {"model": self.problem.name, "blocks": len(self.problem.blocks)}
-        row["svi_step"] = statistics.median(s for r in svi for s in r.step_seconds[1:]) if svi else math.nan
+        medians = [r.median_step for r in self.results if r.family == "SVI" and math.isfinite(r.median_step)]
+        row["svi_step"] = statistics.median(medians) if medians else math.nan
         for config in ("defaults", "per_site"):
             runs = self.groups.get(f"PDVI {config}", [])
-            steps = [s for r in runs for s in r.step_seconds[1:]]
-            row[f"{config}_step"] = statistics.median(steps) if steps else math.nan
-            measured = [r.setup_seconds for r in runs if len(r.step_seconds) > 1]
+            medians = [r.median_step for r in runs if math.isfinite(r.median_step)]
+            row[f"{config}_step"] = statistics.median(medians) if medians else math.nan
+            measured = [r.setup_seconds for r in runs if math.isfinite(r.setup_seconds)]
             row[f"{config}_setup"] = statistics.fmean(measured) if measured else math.nan
-            row[f"{config}_setup_at_least"] = max(
-                (r.step_seconds[0] for r in runs if r.step_seconds), default=0
-            )
+            row[f"{config}_setup_at_least"] = max((r.first_step for r in runs if r.num_steps), default=0.0)
         return row
 
     # ------------------------------------------------------------------ table 3: eta="auto" vs fixed
@@ -275,6 +298,31 @@ class ModelReport:
 # --------------------------------------------------------------------------- tables over all models
 
 
+def summary_table(rows: list[dict]) -> str:
+    lines = [
+        "| model | metric | budget CPU s | best SVI [config] | PDVI defaults | best PDVI [config] | "
+        "equal epochs E | PDVI defaults @E | best SVI @E | PDVI defaults status |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        svi, best_at_e = row["best_svi"], row.get("best_svi_at_equal_epochs")
+        best_pdvi = row.get("best_pdvi")
+        cells = [
+            row["model"],
+            row["metric"],
+            fmt(row["budget"]),
+            f"{fmt(svi)} [{row['best_svi_config']}]",
+            fmt(row["defaults"]) + ratio(row["defaults"], svi),
+            f"{fmt(best_pdvi)}{ratio(best_pdvi, svi)} [{row.get('best_pdvi_config', '-')}]",
+            fmt(row.get("equal_epochs")),
+            fmt(row.get("defaults_at_equal_epochs")) + ratio(row.get("defaults_at_equal_epochs"), best_at_e),
+            fmt(best_at_e),
+            row["defaults_status"].replace("|", "/")[:120],
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def cost_table(rows: list[dict]) -> str:
     lines = [
         "| model | blocks | SVI s/step | PDVI defaults s/step | ratio | PDVI per_site s/step | ratio | "
@@ -368,8 +416,7 @@ def write_csvs(out: Path, results: list[RunResult], accuracy_rows: list[dict], c
         for r in results:
             writer.writerow(
                 [r.model, r.family, r.config, r.seed, r.status, r.epochs, r.seconds, r.fit_wall_seconds,
-                 len(r.step_seconds),
-                 r.median_step, r.step_seconds[0] if r.step_seconds else "", r.setup_seconds,
+                 r.num_steps, r.median_step, r.first_step, r.setup_seconds,
                  json.dumps(r.step_sizes), r.load[0], r.load[1], r.wall_seconds, " || ".join(r.warnings)]
             )  # fmt: skip
     for name, rows in (("accuracy", accuracy_rows), ("cost", cost_rows), ("eta", eta_rows)):
@@ -383,3 +430,33 @@ def write_csvs(out: Path, results: list[RunResult], accuracy_rows: list[dict], c
             writer.writeheader()
             writer.writerows({k: json.dumps(v) if isinstance(v, (dict, tuple)) else v for k, v in row.items()}
                              for row in rows)  # fmt: skip
+
+
+def load_results(folder: Path) -> list[RunResult]:
+    """The runs of a finished suite run, from its runs.csv and history.csv (for a new report
+    with other checkpoints, or one report over runs made by several processes)."""
+    histories: dict[tuple, list[dict]] = {}
+    with open(folder / "history.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            key = (row.pop("model"), row.pop("family"), row.pop("config"), int(row.pop("seed")))
+            histories.setdefault(key, []).append({k: float(v) for k, v in row.items() if v != ""})
+    results = []
+    with open(folder / "runs.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            key = (row["model"], row["family"], row["config"], int(row["seed"]))
+            results.append(
+                RunResult(
+                    *key,
+                    history=histories.get(key, []),
+                    status=row["status"],
+                    warnings=[w for w in row["warnings"].split(" || ") if w],
+                    step_sizes=json.loads(row["step_sizes"]),
+                    load=(float(row["load_before"]), float(row["load_after"])),
+                    wall_seconds=float(row["run_wall_s"]),
+                    fit_wall_seconds=float(row["fit_wall_s"]),
+                    num_steps=int(row["steps"]),
+                    first_step=float(row["first_step_s"] or "nan"),
+                    median_step=float(row["median_step_s"] or "nan"),
+                )
+            )
+    return results

@@ -37,7 +37,9 @@ class RunResult:
 
     :param history: records ``{"epoch", "seconds", <metrics>}``; epoch 0 is the start;
         ``epoch`` is fractional for records inside an epoch.
-    :param step_seconds: every step's CPU seconds, in order (the first includes PDVI's set-up).
+    :param step_seconds: every step's CPU seconds, in order (the first includes PDVI's set-up);
+        summarised, for the report and runs.csv, by ``num_steps``, ``first_step`` and
+        ``median_step`` (the median over all steps but the first).
     :param status: ``"ok"``, or what stopped the run early.
     :param warnings: distinct warnings raised during the steps.
     :param step_sizes: PDVI's step size per group after the run (empty for SVI).
@@ -55,6 +57,9 @@ class RunResult:
     load: tuple[float, float] = (math.nan, math.nan)
     wall_seconds: float = 0.0
     fit_wall_seconds: float = 0.0
+    num_steps: int = 0
+    first_step: float = math.nan
+    median_step: float = math.nan
 
     @property
     def label(self) -> str:
@@ -69,17 +74,10 @@ class RunResult:
         return self.history[-1]["seconds"] if self.history else 0.0
 
     @property
-    def median_step(self) -> float:
-        """Median seconds of a step, the first (set-up) excluded."""
-        later = self.step_seconds[1:]
-        return statistics.median(later) if later else math.nan
-
-    @property
     def setup_seconds(self) -> float:
-        """The first step's seconds beyond a typical step: PDVI's set-up (``eta="auto"``)."""
-        if len(self.step_seconds) < 2:
-            return math.nan
-        return self.step_seconds[0] - self.median_step
+        """The first step's seconds beyond a typical step: PDVI's set-up (``eta="auto"``);
+        NaN if the run took one step only."""
+        return self.first_step - self.median_step
 
 
 def _warning_text(caught: warnings.WarningMessage) -> str:
@@ -165,4 +163,9 @@ def _finish(result: RunResult, fitter, caught, wall_start: float) -> RunResult:
     result.step_sizes = fitter.step_sizes if fitter is not None else {}
     result.load = (result.load[0], os.getloadavg()[0])
     result.wall_seconds = time.perf_counter() - wall_start
+    result.num_steps = len(result.step_seconds)
+    if result.step_seconds:
+        result.first_step = result.step_seconds[0]
+    if len(result.step_seconds) > 1:
+        result.median_step = statistics.median(result.step_seconds[1:])
     return result
