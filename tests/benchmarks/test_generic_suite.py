@@ -56,13 +56,13 @@ def random_params(problem) -> dict[str, torch.Tensor]:
 
 
 def test_main_tiny(tmp_path):
-    argv = ["--models", "logreg,hier", "--seeds", "0", "--budget-seconds", "0.3", "--checkpoints", "0.1",
+    argv = ["--models", "logreg,scale", "--seeds", "0", "--budget-seconds", "0.3", "--checkpoints", "0.1",
             "--svi-lrs", "0.1", "--pdvi-configs", "defaults", "--eta-grid", "eta1"]  # fmt: skip
     out = suite.main(suite.parse_args([*argv, "--out", str(tmp_path)]))
     labels = {(r.model, r.label) for r in out["results"]}
     assert labels == {
         (m, label)
-        for m in ("logreg", "hier")
+        for m in ("logreg", "scale")
         for label in ("SVI Adam lr=0.1", "SVI Adam lr=0.1/(1+epoch/10)", "PDVI defaults", "PDVI eta1")
     }
     for r in out["results"]:
@@ -82,7 +82,7 @@ def test_main_tiny(tmp_path):
     for key in ("accuracy", "cost", "eta"):  # (NaN set-ups of one-step runs compare equal as JSON)
         assert json.dumps(again[key]) == json.dumps(out[key]), key
     pytest.importorskip("matplotlib")
-    assert (tmp_path / "logreg.png").exists() and (tmp_path / "hier.png").exists()
+    assert (tmp_path / "logreg.png").exists() and (tmp_path / "scale.png").exists()
     assert torch.get_default_dtype() == F64  # main restores the default dtype
 
 
