@@ -283,11 +283,13 @@ class ModelReport:
                     ax.set_yscale("log")
                 if axis == "epoch":  # PDVI runs few epochs where SVI runs hundreds
                     ax.set_xscale("symlog", linthresh=1.0)
+                    ax.set_xlim(left=0)
                 ax.set_xlabel("fitting CPU seconds (1 thread)" if axis == "seconds" else "epochs")
                 ax.set_ylabel(metric)
         axes[0][0].legend(fontsize=7)
         fig.suptitle(
-            f"{self.problem.title}\nmean and min-max over seeds; reference: {self.reference.method}",
+            f"{self.problem.title}\nmean and min-max over seeds (each curve ends where its shortest run "
+            f"ended); reference: {self.reference.method}",
             fontsize=9,
         )
         fig.tight_layout()
