@@ -36,6 +36,7 @@ PDVI_CONFIGS: dict[str, dict] = {
     # The best hand setting on PPCA (with the user's 8 particles there).
     "eta0.1_inner3": {"eta": 0.1, "inner_steps": 3},
     # The fixed-eta grid that eta="auto" is compared with (everything else at its default).
+    "eta0.001": {"eta": 0.001},
     "eta0.01": {"eta": 0.01},
     "eta0.1": {"eta": 0.1},
     "eta1": {"eta": 1.0},
@@ -44,7 +45,7 @@ PDVI_CONFIGS: dict[str, dict] = {
 
 #: Configurations run on every seed, and the fixed-eta grid (first seed only).
 MAIN_PDVI_CONFIGS = ("defaults", "per_site", "eta1_inner3_p16", "eta0.1_inner3")
-ETA_GRID_CONFIGS = ("eta0.01", "eta0.1", "eta1", "eta10")
+ETA_GRID_CONFIGS = ("eta0.001", "eta0.01", "eta0.1", "eta1", "eta10")
 
 #: PDVI's ``optim`` argument (it drives the primal solve only with ``inner_solver="optim"``).
 PDVI_OPTIM_LR = 0.01
