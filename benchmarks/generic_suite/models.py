@@ -90,8 +90,16 @@ class Problem:
     loss_kwargs: dict
     primary: str
     data: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Calls of :meth:`model` so far: the runner counts them per step, a cost measure that,
+    #: unlike seconds, does not depend on what else runs on the machine.
+    model_calls: int = 0
 
     def model(self, idx: torch.Tensor | None = None) -> None:
+        """The Pyro model on the subsample ``idx`` of the data plate (counted)."""
+        self.model_calls += 1
+        self._model(idx)
+
+    def _model(self, idx: torch.Tensor | None) -> None:
         raise NotImplementedError
 
     def make_guide(self) -> Callable:
@@ -156,7 +164,7 @@ class LogisticRegression(Problem):
         )
         self.x, self.y = x.to(dtype), y.to(dtype)
 
-    def model(self, idx=None):
+    def _model(self, idx):
         w = pyro.sample(
             "w", dist.Normal(self.x.new_zeros(()), self.prior_scale).expand([self.x.shape[1]]).to_event(1)
         )
@@ -212,7 +220,7 @@ class PPCA(Problem):
             "z_scale": torch.ones(len(x), self.latent_dim, dtype=torch.float64),
         }
 
-    def model(self, idx=None):
+    def _model(self, idx):
         dim, k = self.x.shape[1], self.latent_dim
         zero = self.x.new_zeros(())
         loadings = pyro.sample("W", dist.Normal(zero, self.prior_scale).expand([dim, k]).to_event(2))
@@ -273,7 +281,7 @@ class MixedEffects(Problem):
         self.num_groups = num_groups
         self.x, self.y, self.group = x.to(dtype), y.to(dtype), group
 
-    def model(self, idx=None):
+    def _model(self, idx):
         zero = self.x.new_zeros(())
         alpha = pyro.sample("alpha", dist.Normal(zero, self.fixed_prior_scale))
         beta = pyro.sample("beta", dist.Normal(zero, self.fixed_prior_scale))
@@ -315,7 +323,7 @@ class HierarchicalNormal(Problem):
         )
         self.x = x.to(dtype)
 
-    def model(self, idx=None):
+    def _model(self, idx):
         zero = self.x.new_zeros(())
         mu = pyro.sample("mu", dist.Normal(zero, self.prior_scale))
         with pyro.plate("data", self.num_data, subsample=idx) as ind:
@@ -356,7 +364,7 @@ class NormalScale(Problem):
         )
         self.x, self.y = x.to(dtype), y.to(dtype)
 
-    def model(self, idx=None):
+    def _model(self, idx):
         zero = self.x.new_zeros(())
         w = pyro.sample("w", dist.Normal(zero, self.prior_scale).expand([self.x.shape[1]]).to_event(1))
         sigma = pyro.sample("sigma", dist.HalfNormal(zero + self.sigma_prior_scale))
@@ -421,7 +429,7 @@ class GMM(Problem):
         self.blocks = [block.to(device) for block in self.blocks]
         return self
 
-    def model(self, idx=None):
+    def _model(self, idx):
         self.gmm.model(idx)
 
     def make_guide(self):

@@ -71,6 +71,12 @@ def best_svi(groups: dict[str, list[RunResult]], metric: str, **where) -> tuple[
 COLLAPSED = 0.01
 
 
+def median_of(values) -> float:
+    """Median of the finite values (NaN if there are none)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
 def status_of(runs: list[RunResult]) -> str:
     """ "ok", or each seed's early stop and collapsed scale."""
     bad = [f"seed {r.seed}: {r.status}" for r in runs if r.status != "ok"]
@@ -176,12 +182,14 @@ class ModelReport:
         configuration spent its budget in its first step, the first step's seconds as a lower
         bound of the set-up (``setup_at_least``)."""
         row = {"model": self.problem.name, "blocks": len(self.problem.blocks)}
-        medians = [r.median_step for r in self.results if r.family == "SVI" and math.isfinite(r.median_step)]
-        row["svi_step"] = statistics.median(medians) if medians else math.nan
+        svi = [r for r in self.results if r.family == "SVI"]
+        row["svi_step"] = median_of(r.median_step for r in svi)
+        row["svi_calls"] = median_of(r.median_calls for r in svi)
         for config in ("defaults", "per_site"):
             runs = self.groups.get(f"PDVI {config}", [])
-            medians = [r.median_step for r in runs if math.isfinite(r.median_step)]
-            row[f"{config}_step"] = statistics.median(medians) if medians else math.nan
+            row[f"{config}_step"] = median_of(r.median_step for r in runs)
+            row[f"{config}_calls"] = median_of(r.median_calls for r in runs)
+            row[f"{config}_first_calls"] = median_of(r.first_calls for r in runs)
             measured = [r.setup_seconds for r in runs if math.isfinite(r.setup_seconds)]
             row[f"{config}_setup"] = statistics.fmean(measured) if measured else math.nan
             row[f"{config}_setup_at_least"] = max((r.first_step for r in runs if r.num_steps), default=0.0)
@@ -327,23 +335,26 @@ def summary_table(rows: list[dict]) -> str:
 
 def cost_table(rows: list[dict]) -> str:
     lines = [
-        "| model | blocks | SVI s/step | PDVI defaults s/step | ratio | PDVI per_site s/step | ratio | "
-        "set-up s defaults (SVI epochs) | set-up s per_site (SVI epochs) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | blocks | SVI CPU s/step | PDVI defaults CPU s/step (ratio) | PDVI per_site CPU s/step "
+        "(ratio) | model calls/step SVI, defaults, per_site | set-up CPU s defaults (SVI epochs) [calls] | "
+        "set-up CPU s per_site (SVI epochs) [calls] |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         svi_epoch = row["svi_step"] * row["blocks"]
         cells = [row["model"], str(row["blocks"]), fmt(row["svi_step"])]
         for config in ("defaults", "per_site"):
             step = row[f"{config}_step"]
-            cells += [fmt(step), f"{step / row['svi_step']:.3g}x" if math.isfinite(step) else "-"]
+            cells.append(fmt(step) + (f" ({step / row['svi_step']:.3g}x)" if math.isfinite(step) else ""))
+        cells.append(", ".join(fmt(row.get(f"{k}_calls", math.nan)) for k in ("svi", "defaults", "per_site")))
         for config in ("defaults", "per_site"):
             setup = row[f"{config}_setup"]
+            calls = f" [{fmt(row.get(f'{config}_first_calls', math.nan))}]"
             if not math.isfinite(setup):  # every run spent its budget in the first step
                 setup = row[f"{config}_setup_at_least"]
-                cells.append(f">= {fmt(setup)} (>= {fmt(setup / svi_epoch)})")
+                cells.append(f">= {fmt(setup)} (>= {fmt(setup / svi_epoch)}){calls}")
             else:
-                cells.append(f"{fmt(setup)} ({fmt(setup / svi_epoch)})")
+                cells.append(f"{fmt(setup)} ({fmt(setup / svi_epoch)}){calls}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -412,13 +423,13 @@ def write_csvs(out: Path, results: list[RunResult], accuracy_rows: list[dict], c
         writer = csv.writer(f)
         writer.writerow(
             ["model", "family", "config", "seed", "status", "epochs", "fit_cpu_s", "fit_wall_s", "steps",
-             "median_step_s", "first_step_s", "setup_s", "step_sizes", "load_before", "load_after",
-             "run_wall_s", "warnings"]
+             "median_step_s", "first_step_s", "setup_s", "median_model_calls", "first_model_calls",
+             "step_sizes", "load_before", "load_after", "run_wall_s", "warnings"]
         )  # fmt: skip
         for r in results:
             writer.writerow(
                 [r.model, r.family, r.config, r.seed, r.status, r.epochs, r.seconds, r.fit_wall_seconds,
-                 r.num_steps, r.median_step, r.first_step, r.setup_seconds,
+                 r.num_steps, r.median_step, r.first_step, r.setup_seconds, r.median_calls, r.first_calls,
                  json.dumps(r.step_sizes), r.load[0], r.load[1], r.wall_seconds, " || ".join(r.warnings)]
             )  # fmt: skip
     for name, rows in (("accuracy", accuracy_rows), ("cost", cost_rows), ("eta", eta_rows)):
@@ -459,6 +470,8 @@ def load_results(folder: Path) -> list[RunResult]:
                     num_steps=int(row["steps"]),
                     first_step=float(row["first_step_s"] or "nan"),
                     median_step=float(row["median_step_s"] or "nan"),
+                    first_calls=float(row.get("first_model_calls") or "nan"),
+                    median_calls=float(row.get("median_model_calls") or "nan"),
                 )
             )
     return results

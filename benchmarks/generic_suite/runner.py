@@ -39,7 +39,9 @@ class RunResult:
         ``epoch`` is fractional for records inside an epoch.
     :param step_seconds: every step's CPU seconds, in order (the first includes PDVI's set-up);
         summarised, for the report and runs.csv, by ``num_steps``, ``first_step`` and
-        ``median_step`` (the median over all steps but the first).
+        ``median_step`` (the median over all steps but the first); ``first_calls`` and
+        ``median_calls`` count the model's calls the same way (a cost measure that the
+        machine's load does not move: one per ELBO evaluation with vectorized particles).
     :param status: ``"ok"``, or what stopped the run early.
     :param warnings: distinct warnings raised during the steps.
     :param step_sizes: PDVI's step size per group after the run (empty for SVI).
@@ -60,6 +62,8 @@ class RunResult:
     num_steps: int = 0
     first_step: float = math.nan
     median_step: float = math.nan
+    first_calls: float = math.nan
+    median_calls: float = math.nan
 
     @property
     def label(self) -> str:
@@ -105,6 +109,7 @@ def run_method(
     problem.initialise(guide, problem.blocks[first_order[0]])
     fitter = None
     seconds, visits, last_record = 0.0, 0, 0.0
+    step_calls: list[int] = []
 
     def record() -> bool:
         """Append the metrics now; False if the params are no longer finite."""
@@ -122,9 +127,10 @@ def run_method(
             stop = False
             for _ in range(max_epochs):
                 for b in torch.randperm(num_blocks, generator=order).tolist():
-                    wall, start = time.perf_counter(), time.process_time()
+                    calls, wall, start = problem.model_calls, time.perf_counter(), time.process_time()
                     loss = fitter.step(problem.blocks[b])
                     elapsed = time.process_time() - start
+                    step_calls.append(problem.model_calls - calls)
                     result.fit_wall_seconds += time.perf_counter() - wall
                     result.step_seconds.append(elapsed)
                     seconds += elapsed
@@ -137,7 +143,7 @@ def run_method(
                     elif seconds - last_record >= eval_interval and visits % num_blocks:
                         if not record():
                             result.status = f"non-finite params at step {visits}"
-                            return _finish(result, fitter, caught, wall_start)
+                            return _finish(result, fitter, caught, wall_start, step_calls)
                     if stop:
                         break
                 if not stop:
@@ -154,10 +160,10 @@ def run_method(
             result.warnings.append(traceback.format_exc(limit=3).splitlines()[-1][:300])
             if not result.history or result.history[-1]["seconds"] != seconds:
                 record()
-        return _finish(result, fitter, caught, wall_start)
+        return _finish(result, fitter, caught, wall_start, step_calls)
 
 
-def _finish(result: RunResult, fitter, caught, wall_start: float) -> RunResult:
+def _finish(result: RunResult, fitter, caught, wall_start: float, step_calls: list[int]) -> RunResult:
     counts = Counter(_warning_text(w) for w in caught)
     result.warnings = [f"{text} (x{n})" for text, n in counts.most_common()] + result.warnings
     result.step_sizes = fitter.step_sizes if fitter is not None else {}
@@ -168,4 +174,8 @@ def _finish(result: RunResult, fitter, caught, wall_start: float) -> RunResult:
         result.first_step = result.step_seconds[0]
     if len(result.step_seconds) > 1:
         result.median_step = statistics.median(result.step_seconds[1:])
+    if step_calls:
+        result.first_calls = float(step_calls[0])
+    if len(step_calls) > 1:
+        result.median_calls = float(statistics.median(step_calls[1:]))
     return result
