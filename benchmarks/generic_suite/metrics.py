@@ -8,8 +8,9 @@ Metrics (all in float64; smaller is better; the global sites are those outside t
   locs, i.e. in the unconstrained space: the mean of ``log tau`` for a LogNormal site);
   PPCA: of ``W_loc`` after matching its columns to the reference's (permutation and signs).
 * ``sd_error``: root mean square of ``s / s* - 1`` over the global variational sds.
-* ``min_sd_ratio``: the smallest ``s / s*`` over the global variational sds (GMM: of the
-  centres' sds): a collapsed scale shows as a value near 0 (the report flags < 0.01).
+* ``min_sd_ratio``, ``max_sd_ratio``: the smallest and largest ``s / s*`` over the global
+  variational sds (GMM: of the centres' sds): a collapsed scale shows as a value near 0, a
+  blown-up one as a large value (the report flags < 0.01 and > 100).
 * ``elbo_gap``: ``(L - L*) / |L*|`` with ``L`` the closed-form negative ELBO at the fit's
   params (its own local params included) and ``L*`` the reference's.
 * ``elbo_gap_resolved`` (PPCA, GMM): the same with the local params replaced by their exact
@@ -115,6 +116,7 @@ class Scorer:
             "rmse_mean": rms(torch.cat([(params[n] - ref[n]).reshape(-1) for n in locs])),
             "sd_error": rms(ratios - 1),
             "min_sd_ratio": float(ratios.min()),
+            "max_sd_ratio": float(ratios.max()),
         }
 
     def _auto_normal(self, params) -> dict[str, float]:
@@ -143,6 +145,7 @@ class Scorer:
             "rmse_mean": rms(params["W_loc"][:, order] * signs - ref["W_loc"]),
             "sd_error": rms(ratios - 1),
             "min_sd_ratio": float(ratios.min()),
+            "max_sd_ratio": float(ratios.max()),
             "elbo_gap": self.gap(params),
             "elbo_gap_resolved": self.gap(resolved),
         }
@@ -157,6 +160,7 @@ class Scorer:
         return {
             "w2_ratio": self._w2(params["m"], params["rho"]) / self.reference_w2,
             "min_sd_ratio": float(ratios.min()),
+            "max_sd_ratio": float(ratios.max()),
             "elbo_gap": self.gap(params),
             "elbo_gap_resolved": self.gap(resolved),
         }

@@ -67,7 +67,8 @@ def best_svi(groups: dict[str, list[RunResult]], metric: str, **where) -> tuple[
     return best, name
 
 
-#: A global sd below this fraction of the reference's at the end of a run is reported as collapsed.
+#: A global sd below this fraction of the reference's (or above its inverse times the
+#: reference's) at the end of a run is reported as collapsed (or blown up).
 COLLAPSED = 0.01
 
 
@@ -81,9 +82,11 @@ def status_of(runs: list[RunResult]) -> str:
     """ "ok", or each seed's early stop and collapsed scale."""
     bad = [f"seed {r.seed}: {r.status}" for r in runs if r.status != "ok"]
     for r in runs:
-        ratio = r.history[-1].get("min_sd_ratio", 1.0) if r.history else 1.0
-        if ratio < COLLAPSED:
-            bad.append(f"seed {r.seed}: collapsed scale (min sd/sd* {ratio:.1e})")
+        last = r.history[-1] if r.history else {}
+        if last.get("min_sd_ratio", 1.0) < COLLAPSED:
+            bad.append(f"seed {r.seed}: collapsed scale (min sd/sd* {last['min_sd_ratio']:.1e})")
+        if last.get("max_sd_ratio", 1.0) > 1 / COLLAPSED:
+            bad.append(f"seed {r.seed}: scale blew up (max sd/sd* {last['max_sd_ratio']:.1e})")
     return "; ".join(bad)[:300] if bad else "ok"
 
 
@@ -215,7 +218,9 @@ class ModelReport:
             if runs:
                 fixed[PDVI_CONFIGS[config]["eta"]] = (self._final(runs, seed), status_of(runs))
         row["fixed"] = fixed
-        finite = {eta: err for eta, (err, _) in fixed.items() if err is not None}
+        # The best fixed eta among the runs that finished, if any did.
+        finished = {eta: err for eta, (err, status) in fixed.items() if err is not None and status == "ok"}
+        finite = finished or {eta: err for eta, (err, _) in fixed.items() if err is not None}
         if finite:
             best_eta = min(finite, key=finite.get)
             row["best_fixed_eta"], row["best_fixed_error"] = best_eta, finite[best_eta]

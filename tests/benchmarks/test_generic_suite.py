@@ -219,7 +219,7 @@ def test_reference_is_stationary_and_scores_zero(name):
     for key in ("rmse_mean", "sd_error", "elbo_gap", "elbo_gap_resolved", "mu_error"):
         if key in metrics:
             assert abs(metrics[key]) < 1e-9, key
-    assert metrics["min_sd_ratio"] == pytest.approx(1.0, abs=1e-9)
+    assert metrics["min_sd_ratio"] == pytest.approx(1.0, abs=1e-9) == metrics["max_sd_ratio"]
 
 
 def test_hierarchical_reference_is_the_exact_mean_field_optimum():
@@ -269,5 +269,5 @@ def test_gmm_reference_scores_zero():
     set_params(reference.params)
     metrics = Scorer(problem, reference)()
     assert metrics["w2_ratio"] == pytest.approx(1.0, abs=1e-12)
-    assert metrics["min_sd_ratio"] == pytest.approx(1.0, abs=1e-12)
+    assert metrics["min_sd_ratio"] == pytest.approx(1.0, abs=1e-12) == metrics["max_sd_ratio"]
     assert abs(metrics["elbo_gap"]) < 1e-12 and abs(metrics["elbo_gap_resolved"]) < 1e-9
