@@ -303,7 +303,8 @@ def main(args: argparse.Namespace) -> dict:
             if not results:
                 continue
             checkpoints = args.gmm_checkpoints if name == "gmm" else args.checkpoints
-            model_report = report.ModelReport(problem, reference, results, checkpoints, budget)
+            grid = args.gmm_eta_grid if name == "gmm" else args.eta_grid
+            model_report = report.ModelReport(problem, reference, results, checkpoints, budget, grid)
             table, rows = model_report.accuracy_table()
             rises = model_report.rises_table() if name == "ppca" else ""
             section = intro + "\n\n" + table + ("\n\nDoes the objective rise?\n\n" + rises if rises else "")
@@ -313,7 +314,7 @@ def main(args: argparse.Namespace) -> dict:
             accuracy_rows += rows
             summary_rows.append(model_report.summary_row())
             cost_rows.append(model_report.cost_row())
-            eta_rows.append(model_report.eta_row(args.gmm_eta_grid if name == "gmm" else args.eta_grid))
+            eta_rows.append(model_report.eta_row(grid))
             if not args.no_plots:
                 model_report.plot(out / f"{name}.png")
         tables = [

@@ -94,9 +94,18 @@ class ModelReport:
     """Everything reported for one model."""
 
     def __init__(
-        self, problem, reference, results: list[RunResult], checkpoints: Sequence[float], budget: float
+        self,
+        problem,
+        reference,
+        results: list[RunResult],
+        checkpoints: Sequence[float],
+        budget: float,
+        eta_grid: Sequence[str] = (),
     ):
+        """``eta_grid``: the fixed-eta configurations, reported in the eta table and in the
+        accuracy table's rows, but left out of the plots, the summary and "best PDVI"."""
         self.problem = problem
+        self.eta_grid = [f"PDVI {c}" for c in eta_grid]
         self.reference = reference
         self.results = results
         self.groups = group_runs(results)
@@ -104,15 +113,20 @@ class ModelReport:
         self.budget = budget
         self.checkpoints = [t for t in checkpoints if t < budget] + [budget]
 
-    def main_groups(self) -> dict[str, list[RunResult]]:
-        """SVI configurations and PDVI configurations that ran on every seed (not the eta grid)."""
+    def main_groups(self, grid: bool = False) -> dict[str, list[RunResult]]:
+        """SVI configurations and the PDVI configurations that ran on every seed, without (or,
+        with ``grid``, with) the fixed-eta grid."""
         seeds = {r.seed for r in self.results}
-        return {k: v for k, v in self.groups.items() if {r.seed for r in v} == seeds or v[0].family == "SVI"}
+        return {
+            k: v
+            for k, v in self.groups.items()
+            if v[0].family == "SVI" or ({r.seed for r in v} == seeds and (grid or k not in self.eta_grid))
+        }
 
     # ------------------------------------------------------------------ table 1: equal seconds and epochs
 
     def accuracy_table(self) -> tuple[str, list[dict]]:
-        groups = self.main_groups()
+        groups = self.main_groups(grid=True)
         cols = [f"{self.primary} @{fmt(t)}s" for t in self.checkpoints]
         header = ["method", *cols, "epochs in budget", f"{self.secondary} @{fmt(self.budget)}s"] + [
             f"{self.primary} @ equal epochs (E)",
@@ -306,7 +320,7 @@ class ModelReport:
             fontsize=9,
         )
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=80)
         plt.close(fig)
 
 
