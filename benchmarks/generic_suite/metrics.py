@@ -30,8 +30,13 @@ import pyro
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from pyro_pdvi.models import predictive_components, wasserstein_gmm
+from pyro_pdvi.models import predictive_components
 from pyro_pdvi.models.gmm import expected_log_likelihood
+
+try:  # where main keeps it since the metrics moved out of the models (after f5559c3)
+    from pyro_pdvi.metrics import wasserstein_gmm
+except ImportError:  # pyro_pdvi at f5559c3, this branch's base
+    from pyro_pdvi.models import wasserstein_gmm
 
 from .models import GMM, PPCA, Problem
 from .references import PARAM_NAMES, Reference, is_scale, neg_elbo, ppca_locals
