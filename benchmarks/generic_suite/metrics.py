@@ -174,22 +174,24 @@ class Scorer:
 # --------------------------------------------------------------------------- summaries of a history
 
 
-def at_seconds(history: list[dict], seconds: float) -> dict | None:
-    """The last record at or before ``seconds`` of fitting time (``None`` if there is none)."""
+def last_at(history: list[dict], key: str, value: float) -> dict | None:
+    """The last record whose ``key`` ("seconds" or "epoch", possibly fractional) is at most
+    ``value`` (``None`` if there is none)."""
     found = None
     for row in history:
-        if row["seconds"] <= seconds + 1e-9:
+        if row[key] <= value + 1e-9:
             found = row
     return found
+
+
+def at_seconds(history: list[dict], seconds: float) -> dict | None:
+    """The last record at or before ``seconds`` of fitting time."""
+    return last_at(history, "seconds", seconds)
 
 
 def at_epoch(history: list[dict], epoch: float) -> dict | None:
-    """The last record at or before ``epoch`` (possibly fractional)."""
-    found = None
-    for row in history:
-        if row["epoch"] <= epoch + 1e-9:
-            found = row
-    return found
+    """The last record at or before ``epoch``."""
+    return last_at(history, "epoch", epoch)
 
 
 def objective_rises(history: list[dict], key: str = "elbo_gap", tol: float = 1e-6) -> dict[str, float]:

@@ -68,6 +68,14 @@ def standardise(x: torch.Tensor) -> torch.Tensor:
     return (x - x.mean(0)) / x.std(0)
 
 
+def design_matrix(features, num_data: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``num_data`` rows of the standardised ``features`` (float64), and the same
+    with an intercept column in front."""
+    standardised = standardise(torch.as_tensor(features, dtype=torch.float64))[:num_data]
+    ones = torch.ones(len(standardised), 1, dtype=torch.float64)
+    return standardised, torch.cat([ones, standardised], 1)
+
+
 @dataclass
 class Problem:
     """One model of the suite.
@@ -148,8 +156,7 @@ class LogisticRegression(Problem):
         from sklearn.datasets import load_breast_cancer
 
         raw = load_breast_cancer()
-        features = standardise(torch.as_tensor(raw.data, dtype=torch.float64))[:num_data]
-        x = torch.cat([torch.ones(len(features), 1, dtype=torch.float64), features], 1)
+        _, x = design_matrix(raw.data, num_data)
         y = torch.as_tensor(raw.target, dtype=torch.float64)[:num_data]
         super().__init__(
             name="logreg",
@@ -347,8 +354,7 @@ class NormalScale(Problem):
         from sklearn.datasets import load_diabetes
 
         raw = load_diabetes()
-        features = standardise(torch.as_tensor(raw.data, dtype=torch.float64))[:num_data]
-        x = torch.cat([torch.ones(len(features), 1, dtype=torch.float64), features], 1)
+        features, x = design_matrix(raw.data, num_data)
         y = standardise(torch.as_tensor(raw.target, dtype=torch.float64))[:num_data]
         bmi = raw.feature_names.index("bmi")
         super().__init__(
