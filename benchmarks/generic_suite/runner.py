@@ -104,9 +104,9 @@ def run_method(
     pyro.set_rng_seed(seed)
     order = torch.Generator().manual_seed(seed)
     num_blocks = len(problem.blocks)
-    first_order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    first_epoch = torch.randperm(num_blocks, generator=order).tolist()
     guide = problem.make_guide()
-    problem.initialise(guide, problem.blocks[first_order[0]])
+    problem.initialise(guide, problem.blocks[first_epoch[0]])
     fitter = None
     seconds, visits, last_record = 0.0, 0, 0.0
     step_calls: list[int] = []
@@ -125,8 +125,9 @@ def run_method(
         try:
             fitter = method.build(problem, guide)
             stop = False
-            for _ in range(max_epochs):
-                for b in torch.randperm(num_blocks, generator=order).tolist():
+            for epoch in range(max_epochs):
+                blocks = first_epoch if epoch == 0 else torch.randperm(num_blocks, generator=order).tolist()
+                for b in blocks:
                     calls, wall, start = problem.model_calls, time.perf_counter(), time.process_time()
                     loss = fitter.step(problem.blocks[b])
                     elapsed = time.process_time() - start
