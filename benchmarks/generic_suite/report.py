@@ -79,7 +79,7 @@ def median_of(values) -> float:
 
 
 def status_of(runs: list[RunResult]) -> str:
-    """ "ok", or each seed's early stop and collapsed scale."""
+    """The runs' status: each seed's early stop and collapsed or blown-up scale, else "ok"."""
     bad = [f"seed {r.seed}: {r.status}" for r in runs if r.status != "ok"]
     for r in runs:
         last = r.history[-1] if r.history else {}
