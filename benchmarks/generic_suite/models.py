@@ -1,0 +1,484 @@
+"""The model suite of issue 13: Pyro model/guide pairs as a user would write them, their data
+and their fixed, non-i.i.d. blocks (sorted by a covariate or a label).
+
+Every problem's model and guide take one argument, ``idx``, the subsample of the data plate
+``pyro.plate("data", N, subsample=idx)``; a step of SVI or PDVI is ``step(blocks[b])``. The
+initial params depend on the problem only (not on the run's seed), so every method and every
+seed starts from the same point and one reference optimum serves all runs, also for the
+non-convex PPCA and GMM. Data are built in float64 and cast to the run's dtype; the
+references (:mod:`.references`) keep the float64 copies.
+
+=============  ========================================================================
+name           model
+=============  ========================================================================
+``logreg``     Bayesian logistic regression, sklearn's breast_cancer (569 x 30,
+               standardised, + intercept), ``w ~ N(0, I)``, ``AutoNormal``, 20 blocks
+               sorted by label, ``Trace_ELBO()``
+``ppca``       probabilistic PCA on sklearn's digits (1,797 x 64, centred, one global
+               scale), K = 5, ``W ~ N(0, 1)``, ``z_i ~ N(0, I)``, known noise sd 0.7;
+               hand-written mean-field guide with local ``z_loc``/``z_scale`` rows
+               (``event_dim=1`` inside the data plate), 40 blocks sorted by digit,
+               ``Trace_ELBO(num_particles=8, vectorize_particles=True)``
+``mixed``      random intercept + slope, 30 groups (synthetic, 10-30 rows each, the
+               groups' x ranges differ), LogNormal hyper-scales ``tau_a, tau_b`` and
+               noise sd ``sigma`` as latent sites, ``AutoNormal``, one block per group,
+               ``TraceMeanField_ELBO(num_particles=16, vectorize_particles=True)``
+``hier``       hierarchical normal of README / docs/benchmarks.md section 2: ``mu ~ N(0,
+               10^2)``, ``theta_i ~ N(mu, 1)``, ``x_i ~ N(theta_i, 0.5^2)``, N = 200,
+               ``AutoNormal`` with the data plate, 20 blocks sorted by x,
+               ``TraceMeanField_ELBO()`` (one particle, Pyro's default)
+``scale``      linear regression with unknown noise sd, sklearn's diabetes (442 x 10,
+               standardised, + intercept; y standardised), ``w ~ N(0, I)``,
+               ``sigma ~ HalfNormal(1)`` (the guide's q(sigma) is LogNormal),
+               ``AutoNormal``, 20 blocks sorted by bmi, ``Trace_ELBO()``
+``gmm``        the paper's Bayesian GMM through the generic path:
+               :class:`pyro_pdvi.models.GMMModel`, K = 5, d = 10, blocks of 1,000 that
+               are 95% one cluster (:func:`pyro_pdvi.models.make_biased_gmm`),
+               ``TraceEnum_ELBO(max_plate_nesting=1, num_particles=16,
+               vectorize_particles=True)`` as in the README; N = 100,000 (quick: 5,000)
+=============  ========================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro import poutine
+from pyro.distributions import constraints
+from pyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_pdvi.models import GMMModel, make_biased_gmm
+
+PROBLEM_NAMES = ("logreg", "ppca", "mixed", "hier", "scale", "gmm")
+
+
+def sorted_blocks(keys: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+    """Indices sorted by ``keys`` (stable, so ties keep the data order), cut into
+    ``num_blocks`` contiguous chunks of (nearly) equal size: non-i.i.d. blocks."""
+    order = torch.sort(keys, stable=True).indices
+    return [chunk.sort().values for chunk in order.tensor_split(num_blocks)]
+
+
+def standardise(x: torch.Tensor) -> torch.Tensor:
+    return (x - x.mean(0)) / x.std(0)
+
+
+def design_matrix(features, num_data: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``num_data`` rows of the standardised ``features`` (float64), and the same
+    with an intercept column in front."""
+    standardised = standardise(torch.as_tensor(features, dtype=torch.float64))[:num_data]
+    ones = torch.ones(len(standardised), 1, dtype=torch.float64)
+    return standardised, torch.cat([ones, standardised], 1)
+
+
+@dataclass
+class Problem:
+    """One model of the suite.
+
+    :param name: short name (``--models``).
+    :param title: one line for tables and plots.
+    :param num_data: N, the size of the data plate.
+    :param blocks: the fixed blocks, 1-D LongTensors that partition ``range(N)``.
+    :param loss_class: the ELBO class the user runs with.
+    :param loss_kwargs: its keyword arguments as the user passes them.
+    :param primary: the metric that ranks methods (see :mod:`.metrics`).
+    :param data: float64 tensors the closed forms need (see :mod:`.references`).
+    """
+
+    name: str
+    title: str
+    num_data: int
+    blocks: list[torch.Tensor]
+    loss_class: type
+    loss_kwargs: dict
+    primary: str
+    data: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Calls of :meth:`model` so far: the runner counts them per step, a cost measure that,
+    #: unlike seconds, does not depend on what else runs on the machine.
+    model_calls: int = 0
+
+    def model(self, idx: torch.Tensor | None = None) -> None:
+        """The Pyro model on the subsample ``idx`` of the data plate (counted)."""
+        self.model_calls += 1
+        self._model(idx)
+
+    def _model(self, idx: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def make_guide(self) -> Callable:
+        """A fresh guide (its params are created at its first call)."""
+        raise NotImplementedError
+
+    def make_loss(self, particles: int | None = None):
+        """The user's ELBO; with ``particles``, the same ELBO with that many vectorized particles."""
+        kwargs = dict(self.loss_kwargs)
+        if particles is not None:
+            kwargs.update(num_particles=particles, vectorize_particles=True)
+        return self.loss_class(**kwargs)
+
+    def initialise(self, guide: Callable, first_block: torch.Tensor) -> None:
+        """Create the guide's params (one call on the first block, no gradient, nothing recorded)."""
+        with torch.no_grad(), poutine.block():
+            guide(first_block)
+
+    def place(self, device: torch.device | str) -> Problem:
+        """Move the run's tensors (data and blocks; not the float64 copies) to ``device``."""
+        for name in ("x", "y", "group"):
+            if hasattr(self, name):
+                setattr(self, name, getattr(self, name).to(device))
+        self.blocks = [block.to(device) for block in self.blocks]
+        return self
+
+    @property
+    def loss_name(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.loss_kwargs.items())
+        return f"{self.loss_class.__name__}({args})"
+
+
+def _data_plate(num_data: int) -> Callable:
+    return lambda idx=None: pyro.plate("data", num_data, subsample=idx)
+
+
+# --------------------------------------------------------------------------- 1. logistic regression
+
+
+class LogisticRegression(Problem):
+    """Bayesian logistic regression on breast_cancer, blocks sorted by label."""
+
+    prior_scale = 1.0
+
+    def __init__(self, dtype: torch.dtype, num_data: int | None = None, num_blocks: int = 20) -> None:
+        from sklearn.datasets import load_breast_cancer
+
+        raw = load_breast_cancer()
+        _, x = design_matrix(raw.data, num_data)
+        y = torch.as_tensor(raw.target, dtype=torch.float64)[:num_data]
+        super().__init__(
+            name="logreg",
+            title=f"Bayesian logistic regression, breast_cancer ({len(x)} x {x.shape[1]}), "
+            f"AutoNormal, {num_blocks} blocks sorted by label",
+            num_data=len(x),
+            blocks=sorted_blocks(y, num_blocks),
+            loss_class=Trace_ELBO,
+            loss_kwargs={},
+            primary="rmse_mean",
+            data={"x": x, "y": y},
+        )
+        self.x, self.y = x.to(dtype), y.to(dtype)
+
+    def _model(self, idx):
+        w = pyro.sample(
+            "w", dist.Normal(self.x.new_zeros(()), self.prior_scale).expand([self.x.shape[1]]).to_event(1)
+        )
+        with pyro.plate("data", self.num_data, subsample=idx) as ind:
+            logits = (self.x[ind] * w).sum(-1)
+            pyro.sample("y", dist.Bernoulli(logits=logits), obs=self.y[ind])
+
+    def make_guide(self):
+        return AutoNormal(self.model)
+
+
+# --------------------------------------------------------------------------- 2. PPCA
+
+
+class PPCA(Problem):
+    """Probabilistic PCA with a local ``z_i`` per image, blocks sorted by digit."""
+
+    latent_dim = 5
+    noise_scale = 0.7
+    prior_scale = 1.0
+    init_loading_scale = 0.1
+    init_scale = 0.1
+
+    def __init__(self, dtype: torch.dtype, num_data: int | None = None, num_blocks: int = 40) -> None:
+        from sklearn.datasets import load_digits
+
+        raw = load_digits()
+        images = torch.as_tensor(raw.data, dtype=torch.float64)
+        labels = torch.as_tensor(raw.target)
+        if num_data is not None:
+            images, labels = images[:num_data], labels[:num_data]
+        centred = images - images.mean(0)
+        x = centred / centred.std()
+        super().__init__(
+            name="ppca",
+            title=f"PPCA K={self.latent_dim}, digits ({len(x)} x {x.shape[1]}), local z, "
+            f"{num_blocks} blocks sorted by digit",
+            num_data=len(x),
+            blocks=sorted_blocks(labels, num_blocks),
+            loss_class=Trace_ELBO,
+            loss_kwargs={"num_particles": 8, "vectorize_particles": True},
+            primary="elbo_gap",
+            data={"x": x},
+        )
+        self.x = x.to(dtype)
+        generator = torch.Generator().manual_seed(0)
+        # Random small loadings break the symmetry W = 0; z starts at the prior.
+        self.init = {
+            "W_loc": self.init_loading_scale
+            * torch.randn(x.shape[1], self.latent_dim, generator=generator, dtype=torch.float64),
+            "W_scale": torch.full((x.shape[1], self.latent_dim), self.init_scale, dtype=torch.float64),
+            "z_loc": torch.zeros(len(x), self.latent_dim, dtype=torch.float64),
+            "z_scale": torch.ones(len(x), self.latent_dim, dtype=torch.float64),
+        }
+
+    def _model(self, idx):
+        dim, k = self.x.shape[1], self.latent_dim
+        zero = self.x.new_zeros(())
+        loadings = pyro.sample("W", dist.Normal(zero, self.prior_scale).expand([dim, k]).to_event(2))
+        with pyro.plate("data", self.num_data, subsample=idx) as ind:
+            z = pyro.sample("z", dist.Normal(zero, 1.0).expand([k]).to_event(1))
+            mean = (z.unsqueeze(-2) * loadings).sum(-1)
+            pyro.sample("x", dist.Normal(mean, self.noise_scale).to_event(1), obs=self.x[ind])
+
+    def make_guide(self):
+        init = {k: v.to(self.x) for k, v in self.init.items()}
+
+        def guide(idx=None):
+            w_loc = pyro.param("W_loc", lambda: init["W_loc"].clone())
+            w_scale = pyro.param("W_scale", lambda: init["W_scale"].clone(), constraint=constraints.positive)
+            pyro.sample("W", dist.Normal(w_loc, w_scale).to_event(2))
+            with pyro.plate("data", self.num_data, subsample=idx):
+                z_loc = pyro.param("z_loc", lambda: init["z_loc"].clone(), event_dim=1)
+                z_scale = pyro.param(
+                    "z_scale", lambda: init["z_scale"].clone(), constraint=constraints.positive, event_dim=1
+                )
+                pyro.sample("z", dist.Normal(z_loc, z_scale).to_event(1))
+
+        return guide
+
+
+# --------------------------------------------------------------------------- 3. mixed effects
+
+
+class MixedEffects(Problem):
+    """Random intercept + slope per group with latent hyper-scales and noise sd, one block per group."""
+
+    fixed_prior_scale = 5.0
+
+    def __init__(self, dtype: torch.dtype, num_groups: int = 30) -> None:
+        generator = torch.Generator().manual_seed(0)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+        sizes = torch.randint(10, 31, (num_groups,), generator=generator)
+        group = torch.repeat_interleave(torch.arange(num_groups), sizes)
+        # Each group sees its own range of x: the blocks differ in what they say about the slope.
+        centre = 2.0 * randn(num_groups)
+        x = centre[group] + randn(len(group))
+        intercepts, slopes = 1.0 * randn(num_groups), 0.5 * randn(num_groups)
+        y = 1.0 + intercepts[group] + (-0.5 + slopes[group]) * x + 0.5 * randn(len(group))
+        super().__init__(
+            name="mixed",
+            title=f"random intercept + slope, {num_groups} groups ({len(y)} rows), LogNormal "
+            "hyper-scales, AutoNormal, one block per group",
+            num_data=len(y),
+            blocks=[torch.nonzero(group == g).reshape(-1) for g in range(num_groups)],
+            loss_class=TraceMeanField_ELBO,
+            loss_kwargs={"num_particles": 16, "vectorize_particles": True},
+            primary="rmse_mean",
+            data={"x": x, "y": y, "group": group},
+        )
+        self.num_groups = num_groups
+        self.x, self.y, self.group = x.to(dtype), y.to(dtype), group
+
+    def _model(self, idx):
+        zero = self.x.new_zeros(())
+        alpha = pyro.sample("alpha", dist.Normal(zero, self.fixed_prior_scale))
+        beta = pyro.sample("beta", dist.Normal(zero, self.fixed_prior_scale))
+        tau_a = pyro.sample("tau_a", dist.LogNormal(zero, 1.0))
+        tau_b = pyro.sample("tau_b", dist.LogNormal(zero, 1.0))
+        sigma = pyro.sample("sigma", dist.LogNormal(zero, 1.0))
+        with pyro.plate("groups", self.num_groups):
+            a = pyro.sample("a", dist.Normal(zero, tau_a))
+            b = pyro.sample("b", dist.Normal(zero, tau_b))
+        with pyro.plate("data", self.num_data, subsample=idx) as ind:
+            g = self.group[ind]
+            mean = alpha + a[..., g] + (beta + b[..., g]) * self.x[ind]
+            pyro.sample("y", dist.Normal(mean, sigma), obs=self.y[ind])
+
+    def make_guide(self):
+        return AutoNormal(self.model)
+
+
+# --------------------------------------------------------------------------- 4. hierarchical normal
+
+
+class HierarchicalNormal(Problem):
+    """The hierarchical normal model of README and docs/benchmarks.md, blocks sorted by x."""
+
+    prior_scale, theta_scale, noise_scale = 10.0, 1.0, 0.5
+
+    def __init__(self, dtype: torch.dtype, num_data: int = 200, num_blocks: int = 20) -> None:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.sort(torch.randn(num_data, generator=generator, dtype=torch.float64) * 2 + 1).values
+        super().__init__(
+            name="hier",
+            title=f"hierarchical normal, N={num_data}, AutoNormal, {num_blocks} blocks sorted by x",
+            num_data=num_data,
+            blocks=sorted_blocks(x, num_blocks),
+            loss_class=TraceMeanField_ELBO,
+            loss_kwargs={},
+            primary="mu_error",
+            data={"x": x},
+        )
+        self.x = x.to(dtype)
+
+    def _model(self, idx):
+        zero = self.x.new_zeros(())
+        mu = pyro.sample("mu", dist.Normal(zero, self.prior_scale))
+        with pyro.plate("data", self.num_data, subsample=idx) as ind:
+            theta = pyro.sample("theta", dist.Normal(mu, self.theta_scale))
+            pyro.sample("x", dist.Normal(theta, self.noise_scale), obs=self.x[ind])
+
+    def make_guide(self):
+        return AutoNormal(self.model, create_plates=_data_plate(self.num_data))
+
+
+# --------------------------------------------------------------------------- 5. unknown noise scale
+
+
+class NormalScale(Problem):
+    """Linear regression with an unknown noise sd (LogNormal guide site), blocks sorted by bmi."""
+
+    prior_scale = 1.0
+    sigma_prior_scale = 1.0
+
+    def __init__(self, dtype: torch.dtype, num_data: int | None = None, num_blocks: int = 20) -> None:
+        from sklearn.datasets import load_diabetes
+
+        raw = load_diabetes()
+        features, x = design_matrix(raw.data, num_data)
+        y = standardise(torch.as_tensor(raw.target, dtype=torch.float64))[:num_data]
+        bmi = raw.feature_names.index("bmi")
+        super().__init__(
+            name="scale",
+            title=f"linear regression, unknown noise sd (HalfNormal prior, LogNormal q), diabetes "
+            f"({len(x)} x {x.shape[1]}), AutoNormal, {num_blocks} blocks sorted by bmi",
+            num_data=len(x),
+            blocks=sorted_blocks(features[:, bmi], num_blocks),
+            loss_class=Trace_ELBO,
+            loss_kwargs={},
+            primary="rmse_mean",
+            data={"x": x, "y": y},
+        )
+        self.x, self.y = x.to(dtype), y.to(dtype)
+
+    def _model(self, idx):
+        zero = self.x.new_zeros(())
+        w = pyro.sample("w", dist.Normal(zero, self.prior_scale).expand([self.x.shape[1]]).to_event(1))
+        sigma = pyro.sample("sigma", dist.HalfNormal(zero + self.sigma_prior_scale))
+        with pyro.plate("data", self.num_data, subsample=idx) as ind:
+            pyro.sample("y", dist.Normal((self.x[ind] * w).sum(-1), sigma), obs=self.y[ind])
+
+    def make_guide(self):
+        return AutoNormal(self.model)
+
+
+# --------------------------------------------------------------------------- 6. GMM
+
+
+class GMM(Problem):
+    """The flagship's Bayesian GMM through the generic Pyro path (:class:`GMMModel`)."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        num_data: int = 100_000,
+        block_size: int = 1000,
+        purity: float = 0.95,
+        num_components: int = 5,
+        dim: int = 10,
+    ) -> None:
+        synthetic = make_biased_gmm(num_data, num_components, dim, block_size, purity, seed=0)
+        gmm64 = GMMModel(synthetic.data, synthetic.prior, seed=0)
+        super().__init__(
+            name="gmm",
+            title=f"GMM K={num_components} d={dim}, N={num_data}, generic path, "
+            f"{len(synthetic.blocks)} blocks of {block_size} ({purity:.0%} one cluster)",
+            num_data=num_data,
+            blocks=synthetic.blocks,
+            loss_class=TraceEnum_ELBO,
+            loss_kwargs={"max_plate_nesting": 1, "num_particles": 16, "vectorize_particles": True},
+            primary="w2_ratio",
+            data={"x": synthetic.data, "centers": synthetic.centers},
+        )
+        self.prior64 = synthetic.prior
+        self.init64 = {
+            "m": gmm64.init_means,
+            "rho": gmm64.init_log_variances,
+            "alpha": gmm64.init_logits,
+        }
+        self.gmm = GMMModel(
+            synthetic.data.to(dtype),
+            synthetic.prior.to(dtype),
+            init_means=gmm64.init_means.to(dtype),
+            init_log_variances=gmm64.init_log_variances.to(dtype),
+            init_logits=gmm64.init_logits.to(dtype),
+        )
+
+    def place(self, device: torch.device | str) -> Problem:
+        gmm = self.gmm
+        self.gmm = GMMModel(
+            gmm.data.to(device),
+            gmm.prior,
+            init_means=gmm.init_means.to(device),
+            init_log_variances=gmm.init_log_variances.to(device),
+            init_logits=gmm.init_logits.to(device),
+        )
+        self.blocks = [block.to(device) for block in self.blocks]
+        return self
+
+    def _model(self, idx):
+        self.gmm.model(idx)
+
+    def make_guide(self):
+        return self.gmm.guide
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def make_problem(
+    name: str, quick: bool = False, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> Problem:
+    """The problem ``name`` at full size, or at its ``quick`` size (PPCA: the first 400 digits
+    in 10 blocks; GMM: N = 5,000 in 5 blocks; the others are small already and keep their size),
+    with its run tensors in ``dtype`` on ``device``."""
+    return _make_problem(name, quick, dtype).place(device)
+
+
+def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
+    if name == "logreg":
+        return LogisticRegression(dtype)
+    if name == "ppca":
+        return PPCA(dtype, num_data=400, num_blocks=10) if quick else PPCA(dtype)
+    if name == "mixed":
+        return MixedEffects(dtype)
+    if name == "hier":
+        return HierarchicalNormal(dtype)
+    if name == "scale":
+        return NormalScale(dtype)
+    if name == "gmm":
+        return GMM(dtype, num_data=5000 if quick else 100_000)
+    raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")
+
+
+__all__ = [
+    "GMM",
+    "PPCA",
+    "PROBLEM_NAMES",
+    "HierarchicalNormal",
+    "LogisticRegression",
+    "MixedEffects",
+    "NormalScale",
+    "Problem",
+    "make_problem",
+    "sorted_blocks",
+]

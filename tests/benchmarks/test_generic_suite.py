@@ -1,0 +1,273 @@
+"""The generic suite (benchmarks/benchmark_generic_suite.py): a smoke run of main() at tiny
+size, and exact tests of every reference the suite measures against (float64)."""
+
+import json
+import math
+
+import pyro
+import pytest
+import torch
+from pyro.infer import Trace_ELBO
+from torch.distributions import biject_to
+
+pytest.importorskip("sklearn")
+scipy = pytest.importorskip("scipy")
+
+from benchmarks import benchmark_generic_suite as suite  # noqa: E402
+from benchmarks.generic_suite import models, references  # noqa: E402
+from benchmarks.generic_suite.baselines import Fitter, Method  # noqa: E402
+from benchmarks.generic_suite.metrics import Scorer, align_columns  # noqa: E402
+from benchmarks.generic_suite.runner import run_method  # noqa: E402
+
+F64 = torch.float64
+
+#: Small versions of each model with a closed form (the MC test needs few data for a small error).
+SMALL = {
+    "logreg": lambda: models.LogisticRegression(F64, num_data=12, num_blocks=3),
+    "ppca": lambda: models.PPCA(F64, num_data=6, num_blocks=2),
+    "mixed": lambda: models.MixedEffects(F64, num_groups=2),
+    "hier": lambda: models.HierarchicalNormal(F64, num_data=6, num_blocks=2),
+    "scale": lambda: models.NormalScale(F64, num_data=12, num_blocks=3),
+}
+
+
+def set_params(values: dict[str, torch.Tensor]) -> None:
+    """Write constrained ``values`` into the param store (through each param's constraint)."""
+    store = pyro.get_param_store()
+    constraints = store.get_state()["constraints"]
+    params = dict(store.named_parameters())
+    with torch.no_grad():
+        for name, value in values.items():
+            params[name].copy_(biject_to(constraints[name]).inv(value))
+
+
+def random_params(problem) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    out = {}
+    for name, value in references.initial_params(problem).items():
+        if references.is_scale(name):
+            out[name] = 0.05 + 0.5 * torch.rand(value.shape, generator=generator, dtype=F64)
+        else:
+            out[name] = value + 0.5 * torch.randn(value.shape, generator=generator, dtype=F64)
+    return out
+
+
+# --------------------------------------------------------------------------- (a) smoke
+
+
+def test_main_tiny(tmp_path):
+    argv = ["--models", "logreg,scale", "--seeds", "0", "--budget-seconds", "0.3", "--checkpoints", "0.1",
+            "--svi-lrs", "0.1", "--pdvi-configs", "defaults", "--eta-grid", "eta1"]  # fmt: skip
+    out = suite.main(suite.parse_args([*argv, "--out", str(tmp_path)]))
+    labels = {(r.model, r.label) for r in out["results"]}
+    assert labels == {
+        (m, label)
+        for m in ("logreg", "scale")
+        for label in ("SVI Adam lr=0.1", "SVI Adam lr=0.1/(1+epoch/10)", "PDVI defaults", "PDVI eta1")
+    }
+    for r in out["results"]:
+        assert r.history[0]["epoch"] == 0 and r.history[0]["seconds"] == 0
+        # Only the steps (and the decaying schedule's scheduler steps) are on the clock.
+        assert r.step_seconds and 0 <= r.seconds - sum(r.step_seconds) < 0.05
+        # Every method starts from the same params: the same metrics at epoch 0.
+        first = next(s for s in out["results"] if s.model == r.model).history[0]
+        assert r.history[0] == first
+    for name in ("report.md", "history.csv", "runs.csv", "accuracy.csv", "cost.csv", "eta.csv"):
+        assert (tmp_path / name).exists()
+    assert "best SVI" in (tmp_path / "report.md").read_text()
+    # The report made again from the CSVs has the same numbers.
+    again = suite.main(
+        suite.parse_args([*argv, "--report-from", str(tmp_path), "--out", str(tmp_path / "again")])
+    )
+    for key in ("accuracy", "cost", "eta"):  # (NaN set-ups of one-step runs compare equal as JSON)
+        assert json.dumps(again[key]) == json.dumps(out[key]), key
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "logreg.png").exists() and (tmp_path / "scale.png").exists()
+    assert torch.get_default_dtype() == F64  # main restores the default dtype
+
+
+class Recorder:
+    """A stand-in algorithm that records the blocks it is stepped on."""
+
+    def __init__(self, problem) -> None:
+        self.problem, self.seen = problem, []
+
+    def step(self, idx) -> float:
+        self.seen.append(next(b for b, block in enumerate(self.problem.blocks) if torch.equal(block, idx)))
+        return 0.0
+
+
+def test_every_method_sees_the_same_block_order():
+    problem = SMALL["logreg"]()
+    scorer = Scorer(problem, references.compute_reference(problem))
+    recorders = []
+
+    def build(problem, guide):
+        recorders.append(Recorder(problem))
+        return Fitter(recorders[-1])
+
+    for config in ("a", "b"):
+        run_method(problem, Method("SVI", config, build), scorer, 3, math.inf, 4, math.inf)
+    first, second = (r.seen for r in recorders)
+    assert first == second and len(first) == 4 * len(problem.blocks)
+    epochs = [first[i : i + 3] for i in range(0, 12, 3)]
+    assert all(sorted(e) == [0, 1, 2] for e in epochs) and len({tuple(e) for e in epochs}) > 1
+
+
+def test_svi_run_is_reproducible():
+    problem = SMALL["hier"]()
+    scorer = Scorer(problem, references.compute_reference(problem))
+    method = suite.svi_adam(0.05)
+    runs = [run_method(problem, method, scorer, 0, math.inf, 3, math.inf) for _ in range(2)]
+    strip = [[{k: v for k, v in row.items() if k != "seconds"} for row in r.history] for r in runs]
+    assert strip[0] == strip[1] and len(strip[0]) == 4
+
+
+def test_run_records_a_raising_step():
+    problem = SMALL["logreg"]()
+    scorer = Scorer(problem, references.compute_reference(problem))
+
+    class Failing:
+        def step(self, idx):
+            raise RuntimeError("boom")
+
+    result = run_method(problem, Method("PDVI", "x", lambda p, g: Fitter(Failing())), scorer, 0, 1.0, 2, 1.0)
+    assert result.status.startswith("raised RuntimeError at step 1: boom")
+
+
+# --------------------------------------------------------------------------- (b) the closed forms
+
+
+@pytest.mark.filterwarnings("ignore:The occurrence of roundoff error")  # scipy's quad; the bound holds
+@pytest.mark.parametrize("mean, variance", [(0.5, 0.01), (2.0, 1.0), (-3.0, 6.0), (5.0, 25.0), (0.0, 100.0)])
+def test_expected_log_sigmoid_matches_adaptive_quadrature(mean, variance):
+    from scipy.integrate import quad
+    from scipy.special import log_expit
+
+    sd = math.sqrt(variance)
+    exact = quad(
+        lambda u: log_expit(mean + sd * u) * math.exp(-0.5 * u * u) / math.sqrt(2 * math.pi),
+        -40,
+        40,
+        points=[-mean / sd],
+        epsabs=1e-14,
+        epsrel=1e-14,
+        limit=500,
+    )[0]
+    value = references.expected_log_sigmoid(torch.tensor(mean, dtype=F64), torch.tensor(variance, dtype=F64))
+    assert float(value) == pytest.approx(exact, abs=1e-11)
+
+
+@pytest.mark.parametrize("prior", ["lognormal", "halfnormal"])
+def test_lognormal_site_terms_match_quadrature(prior):
+    """``E_q log p(tau) + H(q(tau))`` of a LogNormal q, against direct integration over log tau."""
+    from scipy.integrate import quad
+    from scipy.stats import halfnorm, lognorm, norm
+
+    loc, scale, prior_scale = 0.3, 0.4, 1.5
+    log_p = {
+        "lognormal": lambda tau: lognorm.logpdf(tau, prior_scale),
+        "halfnormal": lambda tau: halfnorm.logpdf(tau, scale=prior_scale),
+    }[prior]
+
+    def integrand(u):  # over u = log tau; q(tau) = N(u; loc, scale) / tau
+        tau = math.exp(u)
+        return norm.pdf(u, loc, scale) * (log_p(tau) - (norm.logpdf(u, loc, scale) - u))
+
+    exact = quad(integrand, loc - 12 * scale, loc + 12 * scale, epsabs=1e-13, epsrel=1e-13)[0]
+    value = references.lognormal_site_terms(
+        torch.tensor([loc], dtype=F64), torch.tensor([scale], dtype=F64), prior, prior_scale
+    )
+    assert float(value) == pytest.approx(exact, abs=1e-10)
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_closed_form_matches_monte_carlo_of_trace_elbo(name):
+    """The closed form is the expectation of Pyro's ``Trace_ELBO`` loss (full data) at random
+    params: they agree within 5 standard errors of the Monte Carlo mean (the error estimated
+    from 10 independent batches). The small data sets keep that error at ~0.1% of the value."""
+    problem = SMALL[name]()
+    guide = problem.make_guide()
+    problem.initialise(guide, problem.blocks[0])
+    params = random_params(problem)
+    set_params(params)
+    closed = float(references.neg_elbo(problem, params))
+    particles = 2000 if name == "ppca" else 50_000
+    loss = Trace_ELBO(num_particles=particles, vectorize_particles=True, max_plate_nesting=1)
+    batches = torch.tensor([loss.loss(problem.model, guide, None) for _ in range(10)])
+    error = float(batches.std()) / math.sqrt(len(batches))
+    assert error < 2e-3 * abs(closed)
+    assert abs(closed - float(batches.mean())) < 5 * error
+
+
+# --------------------------------------------------------------------------- (b) the reference solvers
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_reference_is_stationary_and_scores_zero(name):
+    problem = SMALL[name]()
+    reference = references.compute_reference(problem)
+    objective = references.Unconstrained(problem, reference.params)
+    _, grad = objective.value_and_grad(objective.flatten(reference.params))
+    assert float(grad.norm()) < 1e-8 and reference.grad_norm < 1e-8
+    init = references.initial_params(problem)
+    assert reference.neg_elbo < float(references.neg_elbo(problem, init))
+    # The scorer gives zero error at the reference itself.
+    problem.initialise(problem.make_guide(), problem.blocks[0])
+    set_params(reference.params)
+    metrics = Scorer(problem, reference)()
+    for key in ("rmse_mean", "sd_error", "elbo_gap", "elbo_gap_resolved", "mu_error"):
+        if key in metrics:
+            assert abs(metrics[key]) < 1e-9, key
+    assert metrics["min_sd_ratio"] == pytest.approx(1.0, abs=1e-9) == metrics["max_sd_ratio"]
+
+
+def test_hierarchical_reference_is_the_exact_mean_field_optimum():
+    problem = models.HierarchicalNormal(F64, num_data=40, num_blocks=4)
+    reference = references.compute_reference(problem).params
+    x, n = problem.data["x"], problem.num_data
+    noise_var = problem.noise_scale**2
+    # Gaussian target: mean-field means are the exact posterior means, sds the inverse root
+    # of the joint precision's diagonal.
+    precision_mu = 1 / problem.prior_scale**2 + n
+    exact_mean = float(x.sum() / (1 + noise_var) / (1 / problem.prior_scale**2 + n / (1 + noise_var)))
+    assert float(reference["AutoNormal.locs.mu"]) == pytest.approx(exact_mean, abs=1e-10)
+    assert float(reference["AutoNormal.scales.mu"]) == pytest.approx(precision_mu**-0.5, rel=1e-10)
+    theta_sd = (1 + 1 / noise_var) ** -0.5
+    assert torch.allclose(reference["AutoNormal.scales.theta"], torch.full_like(x, theta_sd), rtol=1e-10)
+    theta_mean = (x / noise_var + exact_mean) / (1 / noise_var + 1)
+    assert torch.allclose(reference["AutoNormal.locs.theta"], theta_mean, atol=1e-10)
+
+
+def test_ppca_cavi_fixed_point_is_the_lbfgs_optimum():
+    """CAVI + Newton (the reference) and plain L-BFGS on the joint closed form, from the same
+    start, reach the same point; one CAVI sweep leaves the reference where it is."""
+    problem = models.PPCA(F64, num_data=40, num_blocks=4)
+    reference = references.compute_reference(problem)
+    swept, _ = references.ppca_cavi(problem, reference.params, max_sweeps=1)
+    for key, value in swept.items():
+        assert torch.allclose(value, reference.params[key], atol=1e-9), key
+    objective = references.Unconstrained(problem, reference.params)
+    joint = objective.unflatten(
+        references.lbfgs(objective, objective.flatten(references.initial_params(problem)))
+    )
+    assert float(references.neg_elbo(problem, joint)) == pytest.approx(reference.neg_elbo, rel=1e-10)
+    # The same optimum up to the order and signs of the components, which the ELBO does not see.
+    # Joint L-BFGS stops (its line search at float64 round-off) ~1e-4 off along the flattest
+    # direction, which changes the -ELBO by ~1e-9 only: hence the looser tolerance.
+    order, signs = align_columns(joint["W_loc"], reference.params["W_loc"])
+    assert torch.allclose(joint["W_loc"][:, order] * signs, reference.params["W_loc"], atol=1e-3)
+    assert torch.allclose(joint["W_scale"][:, order], reference.params["W_scale"], atol=1e-3)
+    assert torch.allclose(joint["z_loc"][:, order] * signs, reference.params["z_loc"], atol=1e-3)
+
+
+def test_gmm_reference_scores_zero():
+    problem = models.GMM(F64, num_data=600, block_size=100)
+    reference = references.compute_reference(problem)
+    assert "not converged" not in reference.method
+    problem.initialise(problem.make_guide(), problem.blocks[0])
+    set_params(reference.params)
+    metrics = Scorer(problem, reference)()
+    assert metrics["w2_ratio"] == pytest.approx(1.0, abs=1e-12)
+    assert metrics["min_sd_ratio"] == pytest.approx(1.0, abs=1e-12) == metrics["max_sd_ratio"]
+    assert abs(metrics["elbo_gap"]) < 1e-12 and abs(metrics["elbo_gap_resolved"]) < 1e-9
