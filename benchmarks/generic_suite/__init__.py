@@ -1,3 +1,3 @@
-"""Pieces of ``benchmarks/benchmark_generic_suite.py``: the model suite of issue 13
+"""Pieces of ``benchmarks/suite.py``: the model suite of issue 13
 (:mod:`.models`), its reference optima (:mod:`.references`), the methods (:mod:`.baselines`),
 the epoch loop (:mod:`.runner`), the metrics (:mod:`.metrics`) and the report (:mod:`.report`)."""

@@ -19,7 +19,7 @@ import pyro.optim
 import torch
 from pyro.infer import SVI
 
-from pyro_pdvi import PDVI
+from pyro_pdvi import PDVI, AutoStepSize, GenericSolver
 
 from .models import Problem
 
@@ -29,12 +29,19 @@ PARTICLES = "particles"
 PDVI_CONFIGS: dict[str, dict] = {
     # The number issue 13 is about: the user's ELBO unchanged, every option at its default.
     "defaults": {},
-    # P2D-VI: one automatic step size per global site.
-    "per_site": {"groups": "per_site"},
+    # The defaults before issue 13 (curvature rule for eta, 20 L-BFGS evaluations, the
+    # user's particles), for a before/after inside one run.
+    "old_defaults": {
+        "eta": AutoStepSize(rule="curvature"),
+        "solver": GenericSolver(inner_steps=20),
+        "particles": None,
+    },
+    # P2D-VI: one automatic step size per global site, by the curvature rule.
+    "per_site": {"groups": "per_site", "eta": AutoStepSize(rule="curvature")},
     # The issue's best hand setting on the logistic regression.
-    "eta1_inner3_p16": {"eta": 1.0, "inner_steps": 3, PARTICLES: 16},
+    "eta1_inner3_p16": {"eta": 1.0, "solver": GenericSolver(inner_steps=3), PARTICLES: 16},
     # The issue's best hand setting on PPCA (with the user's 8 particles there).
-    "eta0.1_inner3": {"eta": 0.1, "inner_steps": 3},
+    "eta0.1_inner3": {"eta": 0.1, "solver": GenericSolver(inner_steps=3)},
     # The fixed-eta grid that eta="auto" is compared with (everything else at its default).
     "eta0.001": {"eta": 0.001},
     "eta0.01": {"eta": 0.01},
@@ -44,7 +51,7 @@ PDVI_CONFIGS: dict[str, dict] = {
 }
 
 #: Configurations run on every seed, and the fixed-eta grid (first seed only).
-MAIN_PDVI_CONFIGS = ("defaults", "per_site", "eta1_inner3_p16", "eta0.1_inner3")
+MAIN_PDVI_CONFIGS = ("defaults", "old_defaults", "per_site", "eta1_inner3_p16", "eta0.1_inner3")
 ETA_GRID_CONFIGS = ("eta0.001", "eta0.01", "eta0.1", "eta1", "eta10")
 
 #: PDVI's ``optim`` argument (it drives the primal solve only with ``inner_solver="optim"``).

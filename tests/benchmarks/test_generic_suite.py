@@ -1,4 +1,4 @@
-"""The generic suite (benchmarks/benchmark_generic_suite.py): a smoke run of main() at tiny
+"""The generic suite (benchmarks/suite.py): a smoke run of main() at tiny
 size, and exact tests of every reference the suite measures against (float64)."""
 
 import json
@@ -13,7 +13,7 @@ from torch.distributions import biject_to
 pytest.importorskip("sklearn")
 scipy = pytest.importorskip("scipy")
 
-from benchmarks import benchmark_generic_suite as suite  # noqa: E402
+from benchmarks import suite as suite  # noqa: E402
 from benchmarks.generic_suite import models, references  # noqa: E402
 from benchmarks.generic_suite.baselines import Fitter, Method  # noqa: E402
 from benchmarks.generic_suite.metrics import Scorer, align_columns  # noqa: E402

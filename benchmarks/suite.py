@@ -29,9 +29,9 @@ mean and min-max over seeds).
 
 Examples::
 
-    python benchmarks/benchmark_generic_suite.py --quick --seeds 0,1 --out results/suite_quick
-    python benchmarks/benchmark_generic_suite.py --models logreg,ppca --budget-seconds 20
-    python benchmarks/benchmark_generic_suite.py --models gmm --gmm-budget-seconds 600 --seeds 0
+    python benchmarks/suite.py --quick --seeds 0,1 --out results/suite_quick
+    python benchmarks/suite.py --models logreg,ppca --budget-seconds 20
+    python benchmarks/suite.py --models gmm --gmm-budget-seconds 600 --seeds 0
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def main(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     header = environment()
-    command = "python benchmarks/benchmark_generic_suite.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/suite.py " + " ".join(sys.argv[1:])
     print(header)
     loaded = [r for folder in args.report_from for r in report.load_results(Path(folder))]
     sections, all_results, accuracy_rows, cost_rows, eta_rows, summary_rows = [], [], [], [], [], []
