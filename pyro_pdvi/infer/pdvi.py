@@ -39,6 +39,7 @@ from .params import ParamStoreView
 from .particles import SolveLoss, check_particles, solve_loss
 from .problem import BlockProblem
 from .run import RunResult, run_epochs
+from .safeguard import RISES, RisingObjectiveGuard
 from .sites import GlobalLayout, find_sites, missing_subsample_message
 from .solvers import BlockSolver, GenericSolver
 from .step_sizes import AutoStepSize, StepSizes, check_eta, diagonal_curvature, resolve_groups
@@ -177,6 +178,7 @@ class PDVI:
         self.diagnostics: dict[str, Any] = {}
         self._block_visits = 0
         self._bounded_blocks: set[int] = set()
+        self._guard = RisingObjectiveGuard()
         self._state: ConsensusState | None = None
         self._pending_state: dict | None = None
         # PDVI's own randomness (noise seeds, curvature probes, run's block order) comes from
@@ -310,10 +312,19 @@ class PDVI:
         of the blocks solved for the first time, and follow the guide's Fisher information once
         an epoch; under the curvature rule, re-measure when ``remeasure_epochs`` say so."""
         changed = False
+        epoch_ended = self._block_visits // len(self.partition) > epoch
         if self._step_sizes.natural:
             changed = self._bound_step_sizes(block_ids, args, kwargs)
-            if self._block_visits // len(self.partition) > epoch:
+            if epoch_ended:
                 changed |= self._step_sizes.set_fisher(self._measure_fisher(block_ids, args, kwargs))
+        if epoch_ended and self._guard.end_epoch():
+            self._step_sizes.damping = self._guard.damping
+            changed = True
+            warnings.warn(
+                f"PDVI step {self.num_steps}: the objective rose in {RISES} epochs in a row; every "
+                f"step size is now {self._guard.damping:g} of its rule's (diagnostics['damping'])",
+                stacklevel=4,
+            )
         if changed:
             self._apply_step_sizes()
         if self._step_sizes.remeasure_due(self._block_visits, len(self.partition)):
@@ -514,6 +525,7 @@ class PDVI:
             self._params.write_rows(indices, local)
         self.num_steps += 1
         self._block_visits += int(num_blocks)
+        self._guard.add(solved.losses)
         self.diagnostics = {
             "step": self.num_steps,
             "blocks": solved.block_ids,
@@ -523,6 +535,7 @@ class PDVI:
             "step_sizes": self.step_sizes,
             "curvatures": self.curvatures,
             "global_update": state.global_update,
+            "damping": self._guard.damping,
         }
         return loss * (self.partition.num_data / num_indices)
 
@@ -720,6 +733,7 @@ class PDVI:
             "consensus_state": self._state.state_dict(),
             "rng_state": self._rng.get_state(),
             "bounded_blocks": sorted(self._bounded_blocks),
+            "guard": self._guard.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -740,5 +754,6 @@ class PDVI:
             )
         self._step_sizes.load_state_dict(state["step_sizes"])
         self._bounded_blocks = set(state["bounded_blocks"])
+        self._guard.load_state_dict(state["guard"])
         self._state.load_state_dict(state["consensus_state"])
         self._rng.set_state(state["rng_state"])

@@ -330,6 +330,8 @@ class StepSizes:
         self.curvatures: torch.Tensor | None = None
         self.fisher: torch.Tensor | None = None
         self.block_curvature: torch.Tensor | None = None
+        #: A factor on every step size (:mod:`~pyro_pdvi.infer.safeguard` halves it).
+        self.damping = 1.0
         self.remeasured = 0
 
     @property
@@ -471,7 +473,7 @@ class StepSizes:
                 # A coordinate that few blocks inform is as stiff in one block as in all of them.
                 natural = torch.minimum(natural, BLOCK_CURVATURE_BOUND / self.block_curvature.clamp(min=tiny))
             etas = torch.where(informed, natural, etas)
-        return etas.to(like)
+        return (self.damping * etas).to(like)
 
     def as_dict(self) -> dict[str, float]:
         """``{group name: eta_j}``: a group's step size, or where its coordinates differ (the
@@ -498,6 +500,7 @@ class StepSizes:
             "curvatures": None if self.curvatures is None else self.curvatures.clone(),
             "fisher": None if self.fisher is None else self.fisher.clone(),
             "block_curvature": None if self.block_curvature is None else self.block_curvature.clone(),
+            "damping": self.damping,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -509,5 +512,6 @@ class StepSizes:
         curvatures, fisher = state["curvatures"], state["fisher"]
         self.curvatures = None if curvatures is None else curvatures.to(torch.float64)
         self.fisher = None if fisher is None else fisher.to(torch.float64)
+        self.damping = state["damping"]
         bound = state["block_curvature"]
         self.block_curvature = None if bound is None else bound.to(torch.float64)
