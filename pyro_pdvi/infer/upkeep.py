@@ -1,0 +1,159 @@
+"""How :class:`~pyro_pdvi.PDVI` keeps its step sizes up to date during a run (a mixin of it).
+
+After every accepted step (never inside one, so a refused step changes nothing):
+
+* under the natural rule (:mod:`~pyro_pdvi.infer.fisher`), the blocks solved for the first
+  time have their diagonal curvature measured, which bounds the step sizes, and once an epoch
+  the guide's Fisher information is measured again at ``lambda_0``;
+* under the curvature rule, the curvatures are measured again when
+  ``AutoStepSize.remeasure_epochs`` say so;
+* at the end of an epoch the rising-objective safeguard (:mod:`~pyro_pdvi.infer.safeguard`)
+  may halve every step size.
+
+A change of step sizes moves ``lambda_0`` with ``h = H mean(mu)`` and keeps the fixed point.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from .fisher import fisher_diagonal
+from .safeguard import RISES
+from .step_sizes import diagonal_curvature
+
+
+class StepSizeUpkeep:
+    """The step-size methods of :class:`~pyro_pdvi.PDVI` (see the module docstring)."""
+
+    def _adapt_step_sizes(self, block_ids: torch.Tensor, epoch: int, args: tuple, kwargs: dict) -> None:
+        """After an accepted step: under the natural rule, bound the step sizes by the curvature
+        of the blocks solved for the first time, and follow the guide's Fisher information once
+        an epoch; under the curvature rule, re-measure when ``remeasure_epochs`` say so."""
+        changed = False
+        epoch_ended = self._block_visits // len(self.partition) > epoch
+        if self._step_sizes.natural:
+            changed = self._bound_step_sizes(block_ids, args, kwargs)
+            if epoch_ended:
+                changed |= self._step_sizes.set_fisher(self._measure_fisher(block_ids, args, kwargs))
+        if epoch_ended and self._guard.end_epoch():
+            self._step_sizes.damping = self._guard.damping
+            changed = True
+            warnings.warn(
+                f"PDVI step {self.num_steps}: the objective rose in {RISES} epochs in a row; every "
+                f"step size is now {self._guard.damping:g} of its rule's (diagnostics['damping'])",
+                stacklevel=4,
+            )
+        if changed:
+            self._apply_step_sizes()
+        if self._step_sizes.remeasure_due(self._block_visits, len(self.partition)):
+            self._remeasure(args, kwargs)
+
+    def _measure_fisher(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The guide's Fisher diagonal at ``lambda_0`` (:mod:`~pyro_pdvi.infer.fisher`), on the
+        given blocks (those of the step, whose arguments these are)."""
+        auto = self.auto_step_size
+        seed = self._side_seed(self._block_visits)
+        fisher = torch.zeros_like(self._state.consensus)
+        # One estimate per block, added in block order: processes that share steps (one block
+        # each, usually) add theirs in the all-reduce to the same number.
+        for b in block_ids.tolist()[: auto.fisher_blocks]:
+            block = [self.partition.block(b, self.device)]
+            fisher += fisher_diagonal(
+                self.guide, self.plate, self.layout, self._state.consensus, block, args, kwargs,
+                auto.fisher_samples, seed + b,
+            )  # fmt: skip
+        count = torch.tensor([float(min(len(block_ids), auto.fisher_blocks))], dtype=fisher.dtype)
+        return self._all_reduce(fisher) / self._all_reduce(count.to(fisher.device))
+
+    def _bound_step_sizes(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+        """Measure the diagonal curvature of the blocks just solved for the first time, at the new
+        ``lambda_0`` (natural rule: the bound ``eta_j <= 8 / max_b h_bj`` over the blocks seen so
+        far). Processes that share steps take the max of theirs.
+
+        :returns: whether a bound grew.
+        """
+        new = [b for b in block_ids.tolist() if b not in self._bounded_blocks]
+        if self._shares_steps:
+            if not float(self._all_reduce(torch.tensor([float(len(new))], dtype=torch.float64))):
+                return False
+        elif not new:
+            return False
+        curvature = torch.zeros_like(self._state.consensus)
+        probes = self.auto_step_size.curvature_probes
+        seed = self._side_seed(-1)
+        for b in new:
+            gradient = self._block_gradient(b, args, kwargs, seed + b)
+            curvature = torch.maximum(curvature, diagonal_curvature(gradient, self._state.consensus, probes))
+            self._bounded_blocks.add(b)
+        return self._step_sizes.bound_block_curvature(self._all_reduce(curvature, op="max"))
+
+    def _block_gradient(
+        self, b: int, args: tuple, kwargs: dict, seed: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``lambda -> grad_lambda f_b(phi_b, lambda)`` at the block's rows, the noise of ``seed``."""
+        indices = self.partition.stacked(torch.tensor([b]), self.device)
+        losses = self._objective.bind(indices, [seed], args, kwargs)
+        rows = self._params.rows(indices)
+
+        def gradient(point: torch.Tensor) -> torch.Tensor:
+            point = point.detach().requires_grad_()
+            copies = {k: v.unsqueeze(0) for k, v in self.layout.unflatten(point).items()}
+            return torch.autograd.grad(losses(copies, rows).sum(), point)[0]
+
+        return gradient
+
+    def _apply_step_sizes(self) -> None:
+        """Take the current step sizes; ``lambda_0`` moves with ``h = H mean(mu)``."""
+        self._state.set_step_sizes(self._step_sizes.per_coordinate(self._state.consensus))
+        self._params.write_consensus(self._state.consensus)
+        self.diagnostics["step_sizes"] = self.step_sizes
+
+    def _measure_curvatures(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Each group's curvature ``L_j`` at ``lambda_0``, max over a few random blocks
+        (:meth:`~pyro_pdvi.infer.step_sizes.StepSizes.measure`)."""
+        chosen = torch.randperm(len(self.partition), generator=self._rng)[
+            : self.auto_step_size.curvature_blocks
+        ]
+        gradients = [self._reduced_gradient(b, args, kwargs) for b in chosen.tolist()]
+        # phi*(lambda) is solved to ~1e-9 (float64): keep finite-difference errors far below the step.
+        return self._step_sizes.measure(gradients, self._state.consensus, 1e-3 if self.local_sites else None)
+
+    def _reduced_gradient(self, b: int, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``lambda -> grad g_b(lambda)`` with ``g_b = min_phi f_b``, at one fixed noise; the
+        locals ``phi_b*(lambda)`` come from the solver at a vanishing step size, where the
+        augmented Lagrangian pins ``lambda_b`` to ``lambda``."""
+        block = torch.tensor([b])
+        problem = self._problem(block, [self._draw_seed()], args, kwargs, consensus=self._state.consensus)
+
+        def solve_rows(point: torch.Tensor) -> dict[str, torch.Tensor]:
+            if not self.local_sites:
+                return {}
+            problem.consensus = self.layout.unflatten(point.detach())
+            return self.solver.solve(problem).local
+
+        # Finite-difference probes around lambda_0 start from phi*(lambda_0), a short way off.
+        problem.local = solve_rows(self._state.consensus)
+
+        def gradient(point: torch.Tensor) -> torch.Tensor:
+            rows = solve_rows(point)
+            point = point.detach().requires_grad_()
+            copies = {k: v.unsqueeze(0) for k, v in self.layout.unflatten(point).items()}
+            return torch.autograd.grad(problem.losses(copies, rows).sum(), point)[0]
+
+        return gradient
+
+    def _remeasure(self, args: tuple, kwargs: dict) -> None:
+        """Measure the ``"auto"`` groups' curvatures again (``AutoStepSize.remeasure_epochs``)
+        and keep the largest so far; ``lambda_0`` moves with ``h = H mean(mu)``."""
+        unusable = self._step_sizes.update_curvatures(self._measure_curvatures(args, kwargs))
+        if unusable:
+            warnings.warn(
+                f"PDVI step {self.num_steps}: re-measured curvature of groups {unusable} is not a "
+                "positive finite number; their step sizes are kept",
+                stacklevel=4,
+            )
+        self._apply_step_sizes()
+        self.diagnostics["curvatures"] = self.curvatures
