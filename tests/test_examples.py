@@ -20,7 +20,7 @@ def test_every_option_has_help(path, monkeypatch):
 
 def test_svi_to_pdvi_reaches_the_exact_means():
     module = load_script(EXAMPLES / "svi_to_pdvi.py")
-    args = ["--num-data", "40", "--num-blocks", "2", "--epochs", "6", "--particles", "4"]
+    args = ["--num-data", "40", "--num-blocks", "2", "--epochs", "10", "--particles", "4"]
     results = module.main(module.parse_args(args))
     for site, (mean, _) in results["exact"].items():
         assert results["pdvi"][site][0] == pytest.approx(mean, abs=0.05)

@@ -442,12 +442,14 @@ class PDVI(StepSizeUpkeep):
             self._params.write_rows(indices, local)
         self.num_steps += 1
         self._block_visits += int(num_blocks)
-        self._guard.add(solved.losses)
+        moves = solved.copies - old_consensus
+        # f_b at lambda_0 to first order (mu_b = -grad f_b(lambda_b) at an exact solve).
+        self._guard.add(solved.losses + (update.duals * moves).sum(1), moves.norm(dim=1))
         self.diagnostics = {
             "step": self.num_steps,
             "blocks": solved.block_ids,
             "block_loss": solved.losses,
-            "consensus_residual": (solved.copies - old_consensus).norm(dim=1),
+            "consensus_residual": moves.norm(dim=1),
             "dual_change": (update.duals - old_duals).norm(dim=1),
             "step_sizes": self.step_sizes,
             "curvatures": self.curvatures,

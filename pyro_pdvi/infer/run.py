@@ -84,8 +84,8 @@ def run_epochs(
             f"PDVI.run has not converged: {stalled}. The mean consensus residual ||lambda_b - "
             f"lambda_0|| was {residuals[-1]:.2g} in the last epoch: if that is small, the blocks are "
             f"pinned to a consensus that creeps, and the step sizes {pdvi.step_sizes} are too small "
-            "for this model: try a larger eta (or eta=AutoStepSize(scale=...) above its default 2). "
-            "Else run more epochs.",
+            f"for this model: try a larger eta (or eta=AutoStepSize(scale=...) above the "
+            f"{pdvi.auto_step_size.scale:g} in use). Else run more epochs.",
             stacklevel=3,
         )
     return RunResult(

@@ -4,11 +4,21 @@ On a non-convex model (PPCA, mixtures) a step size that is stable near one point
 iterates climb elsewhere: measured on probabilistic PCA with the pre-issue-13 defaults, the
 -ELBO rose epoch after epoch for some fixed step sizes (by up to 101% of the optimum's). The
 theory's step bound [1, Thm. 4.10] shrinks with the non-convexity, which nothing measures
-cheaply. So :class:`RisingObjectiveGuard` watches the sum of the blocks' ``f_b`` over each epoch
-(an estimate of the full objective, free: the solves return it) and, when it rose in two epochs
-in a row by more than a relative :data:`RISE_TOLERANCE`, halves every step size (PDVI moves
-``lambda_0`` with ``h = H mean(mu)``, as for any change of ``H``; the fixed point is kept). It
-reads the host once an epoch.
+cheaply. So :class:`RisingObjectiveGuard` watches an estimate of the full objective over each
+epoch, free from the solves: the sum of the blocks' ``f_b`` taken to ``lambda_0`` to first order,
+``f_b(lambda_b) + <mu_b, lambda_b - lambda_0>`` (at an exact solve ``mu_b = -grad f_b``). When
+it rose in two epochs in a row by more than a relative :data:`RISE_TOLERANCE`, the guard halves
+every step size (PDVI moves ``lambda_0`` with ``h = H mean(mu)``, as for any change of ``H``;
+the fixed point is kept). It reads the host once an epoch.
+
+A primal-dual method's objective estimates also rise when all is well: each block first
+minimises its own ``f_b`` with its copy away from the others, and the sum climbs to the optimum
+as the copies meet. So a rise counts only in an epoch whose mean consensus residual
+``||lambda_b - lambda_0||`` is not a new low (below :data:`RESIDUAL_FALL` of every earlier
+epoch's): copies still converging explain the rise, copies that bounce do not. Measured on a
+linear-Gaussian MAP with every block solved each step (``tests/infer/solvers``): the plain sum
+of ``f_b`` rose in every epoch and was damped 8x, the first-order sum alone 4x, both rules
+together not at all; on a 4-block quadratic the first-order sum alone was damped 16x.
 
 [1] Lyu, Yu, Ma, Shi (2026), "Scalable Mean-Field Variational Inference via
     Preconditioned Primal-Dual Optimization", arXiv:2602.07632.
@@ -27,30 +37,45 @@ RISE_TOLERANCE = 1e-3
 #: Rises in a row that halve the step sizes.
 RISES = 2
 
+#: A rise does not count in an epoch whose mean consensus residual fell below this fraction of
+#: the lowest so far.
+RESIDUAL_FALL = 0.9
+
 
 class RisingObjectiveGuard:
     """Sums the blocks' ``f_b`` over each epoch and says when to halve the step sizes."""
 
     def __init__(self) -> None:
         self.running: torch.Tensor | float = 0.0
+        self.running_residual: torch.Tensor | float = 0.0
+        self.visits = 0
         self.epochs: list[float] = []
+        self.residuals: list[float] = []
         self.rises = 0
         self.damping = 1.0
 
-    def add(self, losses: torch.Tensor) -> None:
-        """The ``f_b`` of an accepted step's blocks (kept on their device until the epoch ends)."""
+    def add(self, losses: torch.Tensor, residuals: torch.Tensor) -> None:
+        """An accepted step's blocks (kept on their device until the epoch ends).
+
+        :param losses: their ``f_b``, shape ``(m,)``.
+        :param residuals: their ``||lambda_b - lambda_0||``, shape ``(m,)``.
+        """
         self.running = self.running + losses.detach().sum()
+        self.running_residual = self.running_residual + residuals.detach().sum()
+        self.visits += len(losses)
 
     def end_epoch(self) -> bool:
         """Close an epoch.
 
         :returns: whether the step sizes should be halved now (two rises in a row).
         """
-        total = float(self.running)
-        self.running = 0.0
+        total, residual = float(self.running), float(self.running_residual) / max(self.visits, 1)
+        self.running, self.running_residual, self.visits = 0.0, 0.0, 0
         rose = bool(self.epochs) and total > self.epochs[-1] + RISE_TOLERANCE * abs(self.epochs[-1])
+        converging = bool(self.residuals) and residual < RESIDUAL_FALL * min(self.residuals)
         self.epochs.append(total)
-        self.rises = self.rises + 1 if rose else 0
+        self.residuals.append(residual)
+        self.rises = self.rises + 1 if rose and not converging else 0
         if self.rises < RISES:
             return False
         self.rises = 0
@@ -58,9 +83,22 @@ class RisingObjectiveGuard:
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        running = self.running.clone() if isinstance(self.running, torch.Tensor) else self.running
-        return {"running": running, "epochs": list(self.epochs), "rises": self.rises, "damping": self.damping}
+        return {
+            "running": _copy(self.running),
+            "running_residual": _copy(self.running_residual),
+            "visits": self.visits,
+            "epochs": list(self.epochs),
+            "residuals": list(self.residuals),
+            "rises": self.rises,
+            "damping": self.damping,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.running, self.epochs = state["running"], list(state["epochs"])
+        self.running, self.running_residual = state["running"], state["running_residual"]
+        self.visits = state["visits"]
+        self.epochs, self.residuals = list(state["epochs"]), list(state["residuals"])
         self.rises, self.damping = state["rises"], state["damping"]
+
+
+def _copy(value: torch.Tensor | float) -> torch.Tensor | float:
+    return value.clone() if isinstance(value, torch.Tensor) else value

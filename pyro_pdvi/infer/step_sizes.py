@@ -473,7 +473,9 @@ class StepSizes:
                 # A coordinate that few blocks inform is as stiff in one block as in all of them.
                 natural = torch.minimum(natural, BLOCK_CURVATURE_BOUND / self.block_curvature.clamp(min=tiny))
             etas = torch.where(informed, natural, etas)
-        return (self.damping * etas).to(like)
+        # A collapsed scale (Fisher ~ 1/sigma^2 huge) must not round eta to 0 in ``like``'s
+        # dtype: the dual step divides by it.
+        return (self.damping * etas).clamp(min=torch.finfo(like.dtype).tiny ** 0.5).to(like)
 
     def as_dict(self) -> dict[str, float]:
         """``{group name: eta_j}``: a group's step size, or where its coordinates differ (the
