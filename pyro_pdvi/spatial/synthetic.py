@@ -63,7 +63,7 @@ def gibbs_sweeps(
     if not beta >= 0:
         raise ValueError(f"Invalid beta: {beta}; use a non-negative float")
     labels = labels.clone()
-    classes = [(nodes, graph.rows(nodes)) for nodes in graph.colour_classes() if nodes.numel()]
+    classes = [(nodes, graph.rows(nodes)) for nodes in graph.colour_classes(strategy="rounds")]
     for _ in range(num_sweeps):
         for nodes, rows in classes:
             one_hot = torch.nn.functional.one_hot(labels, num_states).to(graph.weights.dtype)
