@@ -1,14 +1,18 @@
-"""Spatial domains from an AnnData object, and a plot of them on the tissue.
+"""Spatial domains from an AnnData object, with scanpy's conventions, and a plot of them.
 
 :func:`fit_spatial_domains` reads coordinates from ``adata.obsm["spatial"]`` and features
-from an existing representation (``adata.obsm["X_pca"]`` by default) or computes them with
-torch the way [1, App. C.1] preprocesses (library-size normalisation, ``log1p``, scaling by
-the standard deviation with clipping, then PCA), fits the Potts mixture with P2D-VI
-(:func:`~pyro_pdvi.spatial.fit.fit_potts_mixture`), and writes the labels to
-``adata.obs[key_added]`` and the posteriors to ``adata.obsm[key_added + "_probabilities"]``.
-:func:`plot_spatial_domains` draws them with matplotlib.
+from ``adata.obsm["X_pca"]`` (all of its columns unless ``n_pcs`` is given, as scanpy does), or
+computes them with torch the way [1, App. C.1] preprocesses (library-size normalisation,
+``log1p``, scaling by the standard deviation with clipping, then PCA:
+:func:`expression_features`). It checks them first (:mod:`~pyro_pdvi.spatial.checks`: NaN
+or inf, constant features, spots that share a position, the ``spatial`` extra) with errors
+that name the user's argument and the fix, fits the Potts mixture
+(:func:`~pyro_pdvi.spatial.fit.fit_potts_mixture`), and only then writes the labels to
+``adata.obs[key_added]``, the posteriors to ``adata.obsm[key_added + "_probabilities"]`` and
+the settings and history to ``adata.uns[key_added]``. :func:`plot_spatial_domains` draws
+labels with matplotlib.
 
-Needs ``anndata`` (``pip install pyro-pdvi[spatial]``).
+Needs pandas, anndata and scipy (``pip install 'pyro-pdvi[spatial]'``).
 
 [1] Lyu, Yu, Ma, Shi (2026), arXiv:2602.07632.
 """
