@@ -59,6 +59,8 @@ def expression_features(
     values = torch.as_tensor(np.asarray(counts), dtype=torch.float64)
     if values.dim() != 2:
         raise ValueError(f"counts must be a 2-D (spots x genes) matrix, got shape {tuple(values.shape)}")
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError("counts has NaN or inf; drop or impute those spots first")
     if not 1 <= num_components <= min(values.shape):
         raise ValueError(f"Invalid num_components: {num_components}; use 1 <= n <= {min(values.shape)}")
     library = values.sum(1, keepdim=True)

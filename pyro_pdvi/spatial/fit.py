@@ -178,6 +178,13 @@ def fit_potts_mixture(
             f"and {tuple(coords.shape)}"
         )
     num_spots = features.shape[0]
+    for name, values in (("features", features), ("coords", coords)):
+        bad = ~torch.isfinite(values).all(1)
+        if bool(bad.any()):
+            raise ValueError(
+                f"{name} has NaN or inf in {int(bad.sum())} of {num_spots} spots (the first at "
+                f"{bad.nonzero()[:5, 0].tolist()}); drop or impute those spots first"
+            )
     if method not in METHODS:
         raise ValueError(f"Invalid method: {method!r}; use one of {METHODS}")
     num_domains = check_count(num_domains, "num_domains", 1, num_spots, "N, the number of spots")

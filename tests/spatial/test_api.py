@@ -97,6 +97,9 @@ def test_expression_features_are_pca_of_the_paper_preprocessing():
     reference = u[:, :3] * s[:3]
     signs = np.sign((scores * reference).sum(0))
     assert np.allclose(scores * signs, reference, atol=1e-8)
+    counts[3, 4] = np.inf
+    with pytest.raises(ValueError, match="counts has NaN or inf"):
+        expression_features(counts, num_components=3)
 
 
 def with_nan(values, rows):

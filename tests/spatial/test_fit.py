@@ -153,6 +153,12 @@ def test_errors(tissue):
             fit_potts_mixture(data, coords, bad)
     with pytest.raises(ValueError, match="same N"):
         fit_potts_mixture(data[:10], coords, 3)
+    broken = data.clone()
+    broken[[4, 9], 1] = float("nan")
+    with pytest.raises(
+        ValueError, match=r"features has NaN or inf in 2 of 1500 spots \(the first at \[4, 9\]\)"
+    ):
+        fit_potts_mixture(broken, coords, 3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
