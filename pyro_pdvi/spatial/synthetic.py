@@ -15,6 +15,11 @@ spot the label of its nearest lattice node, and then smooths the blocky boundari
 Gibbs sweeps on the spots' own kNN graph. Features are ``x_i ~ N(c_{zeta_i}, I)`` with centres
 ``c_k ~ N(0, separation^2 I)``, exactly the mixture of [1, App. C.1] given the labels.
 
+:func:`make_irregular_data` draws the same features on domains that no Potts model drew:
+Voronoi cells of random seeds, several cells per domain, or layers with wavy boundaries
+across the tissue (a cortex-like section), so that a fit is not judged only on data from
+its own prior.
+
 [1] Lyu, Yu, Ma, Shi (2026), arXiv:2602.07632.
 """
 
@@ -63,7 +68,7 @@ def gibbs_sweeps(
     if not beta >= 0:
         raise ValueError(f"Invalid beta: {beta}; use a non-negative float")
     labels = labels.clone()
-    classes = [(nodes, graph.rows(nodes)) for nodes in graph.colour_classes() if nodes.numel()]
+    classes = [(nodes, graph.rows(nodes)) for nodes in graph.colour_classes(strategy="rounds")]
     for _ in range(num_sweeps):
         for nodes, rows in classes:
             one_hot = torch.nn.functional.one_hot(labels, num_states).to(graph.weights.dtype)
@@ -184,3 +189,74 @@ def make_potts_data(
     centers = separation * torch.randn(num_domains, dim, generator=generator, dtype=dtype)
     data = centers[labels] + torch.randn(num_spots, dim, generator=generator, dtype=dtype)
     return PottsData(coords, data, labels, centers, prior)
+
+
+#: Domain shapes of :func:`make_irregular_data`.
+IRREGULAR_KINDS = ("voronoi", "layers")
+
+
+def make_irregular_data(
+    num_spots: int,
+    num_domains: int,
+    dim: int,
+    *,
+    kind: str = "voronoi",
+    cells_per_domain: int = 3,
+    separation: float = 1.0,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> PottsData:
+    """Spots on domains of irregular shape, with the features of :func:`make_potts_data`.
+
+    Spots are uniform in a square of side ``sqrt(N)`` (mean spacing 1).
+
+    * ``"voronoi"``: ``cells_per_domain * K`` seeds uniform in the square; a spot's domain is
+      that of its nearest seed, the seeds' domains a random permutation of
+      ``0, 1, ..., K-1`` repeated, so every domain is a few polygons of different sizes.
+    * ``"layers"``: ``K`` bands stacked along ``y``, widths ``~ Dirichlet(3, ..., 3)`` times the
+      side, boundaries bent by ``0.08 side sin(3 pi x / side)`` (a cortex-like section).
+
+    :param num_spots: N.
+    :param num_domains: K.
+    :param dim: d.
+    :param kind: one of :data:`IRREGULAR_KINDS`.
+    :param cells_per_domain: Voronoi cells per domain.
+    :param separation: prior standard deviation of the centres (noise standard deviation 1).
+    :param seed: seed of a private generator; the global RNG is untouched.
+    :param dtype: dtype of coordinates and features.
+    :returns: a :class:`PottsData` (its ``prior`` is the true mixture's).
+    """
+    for name, value in (
+        ("num_spots", num_spots),
+        ("num_domains", num_domains),
+        ("dim", dim),
+        ("cells_per_domain", cells_per_domain),
+    ):
+        check_positive_int(value, name)
+    if kind not in IRREGULAR_KINDS:
+        raise ValueError(f"Invalid kind: {kind!r}; use one of {IRREGULAR_KINDS}")
+    if not separation > 0:
+        raise ValueError(f"separation must be positive, got {separation}")
+    generator = torch.Generator().manual_seed(seed)
+    side = math.sqrt(num_spots)
+    coords = side * torch.rand(num_spots, 2, generator=generator, dtype=torch.float64)
+    if kind == "voronoi":
+        seeds = side * torch.rand(cells_per_domain * num_domains, 2, generator=generator, dtype=torch.float64)
+        domain_of_seed = torch.arange(seeds.shape[0])[torch.randperm(seeds.shape[0], generator=generator)]
+        nearest = torch.cdist(coords, seeds).argmin(-1)
+        labels = domain_of_seed[nearest] % num_domains
+    else:
+        # Gamma(3, 1) widths as sums of three Exp(1) draws: normalised, Dirichlet(3, ..., 3).
+        widths = -torch.rand(num_domains, 3, generator=generator, dtype=torch.float64).log().sum(1)
+        edges = side * (widths.cumsum(0) / widths.sum())[:-1]
+        height = coords[:, 1] + 0.08 * side * torch.sin(3 * math.pi * coords[:, 0] / side)
+        labels = torch.searchsorted(edges, height.contiguous())
+    prior = GMMPrior(
+        xi=torch.zeros(dim, dtype=dtype),
+        sigma0_sq=torch.ones(dim, dtype=dtype),
+        sigma1_sq=torch.full((dim,), float(separation) ** 2, dtype=dtype),
+        num_components=num_domains,
+    )
+    centers = separation * torch.randn(num_domains, dim, generator=generator, dtype=dtype)
+    data = centers[labels] + torch.randn(num_spots, dim, generator=generator, dtype=dtype)
+    return PottsData(coords.to(dtype), data, labels, centers, prior)

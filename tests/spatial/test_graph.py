@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from pyro_pdvi.models.potts import SpatialGraph, scatter_available
-from pyro_pdvi.spatial import grid_patches, knn_graph
+from pyro_pdvi.spatial import default_num_patches, grid_patches, knn_graph, nearest_neighbours
 
 
 def brute_force_edges(coords, k, mutual):
@@ -110,3 +110,16 @@ def test_graph_errors(coords):
         with pytest.raises(ValueError, match="torch-scatter"):
             SpatialGraph(graph.indptr, graph.indices, graph.weights, 300, backend="scatter")
     assert isinstance(np.asarray(graph.to_scipy().toarray()), np.ndarray)
+
+
+def test_nearest_neighbours_and_graph_from_them(coords):
+    distance, neighbour = nearest_neighbours(coords, 5)
+    brute = torch.cdist(coords, coords).fill_diagonal_(float("inf")).topk(5, largest=False)
+    assert np.allclose(distance, brute.values.numpy(), atol=1e-12)
+    assert np.array_equal(np.sort(neighbour, 1), np.sort(brute.indices.numpy(), 1))
+    again = knn_graph(coords, 5, neighbours=(distance, neighbour))
+    assert torch.equal(again.indices, knn_graph(coords, 5).indices)
+
+
+def test_default_number_of_patches():
+    assert [default_num_patches(n) for n in (600, 14999, 15000, 50000, 150000, 10**7)] == [1, 1, 2, 5, 15, 25]

@@ -7,7 +7,13 @@ import torch
 
 from pyro_pdvi.models.potts import SpatialGraph
 from pyro_pdvi.spatial import knn_graph
-from pyro_pdvi.spatial.synthetic import critical_beta, gibbs_sweeps, lattice_graph, make_potts_data
+from pyro_pdvi.spatial.synthetic import (
+    critical_beta,
+    gibbs_sweeps,
+    lattice_graph,
+    make_irregular_data,
+    make_potts_data,
+)
 
 
 def test_gibbs_sweeps_sample_the_exact_potts_law():
@@ -66,3 +72,29 @@ def test_make_potts_data_errors():
         make_potts_data(100, 2, 2, layout="hexagonal")
     with pytest.raises(ValueError, match="beta"):
         make_potts_data(100, 2, 2, beta=-1.0)
+
+
+@pytest.mark.parametrize("kind", ["voronoi", "layers"])
+def test_make_irregular_data_domains_and_features(kind):
+    data = make_irregular_data(4000, 6, 5, kind=kind, separation=3.0, seed=3)
+    again = make_irregular_data(4000, 6, 5, kind=kind, separation=3.0, seed=3)
+    assert torch.equal(data.data, again.data) and torch.equal(data.labels, again.labels)
+    assert data.coords.shape == (4000, 2) and data.coords.min() >= 0 and data.coords.max() <= math.sqrt(4000)
+    assert torch.bincount(data.labels, minlength=6).min() > 0
+    graph = knn_graph(data.coords, 6)
+    same = (data.labels[graph.row_of_entry] == data.labels[graph.indices]).double().mean()
+    assert same > 0.85
+    residual = data.data - data.centers[data.labels]
+    assert residual.mean(0).abs().max() < 5 / math.sqrt(4000)
+    assert (residual.var(0) - 1).abs().max() < 5 * math.sqrt(2 / 4000)
+    if kind == "layers":  # bands: the domain never falls as the bent height grows
+        side = math.sqrt(4000)
+        height = data.coords[:, 1] + 0.08 * side * torch.sin(3 * math.pi * data.coords[:, 0] / side)
+        assert bool((data.labels[height.argsort()].diff() >= 0).all())
+
+
+def test_make_irregular_data_errors():
+    with pytest.raises(ValueError, match="kind"):
+        make_irregular_data(100, 2, 2, kind="hexagons")
+    with pytest.raises(ValueError, match="cells_per_domain"):
+        make_irregular_data(100, 2, 2, cells_per_domain=0)

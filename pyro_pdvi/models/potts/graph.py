@@ -207,16 +207,25 @@ class SpatialGraph:
 
     # ------------------------------------------------------------------ colouring
 
-    def colour_classes(self, seed: int = 0) -> list[torch.Tensor]:
+    def colour_classes(self, seed: int = 0, strategy: str = "greedy") -> list[torch.Tensor]:
         """Independent sets that partition the nodes of a square graph (a proper colouring).
 
-        Rounds of the Luby / Jones-Plassmann rule: among the uncoloured nodes, those whose
-        random priority beats every uncoloured neighbour's form the next class. Vectorised,
-        ``O(nnz)`` per round; a kNN graph needs a few tens of rounds.
+        Rounds of the Jones-Plassmann rule [1]: among the uncoloured nodes, those whose random
+        priority beats every uncoloured neighbour's are coloured in this round, all at once.
+        With ``strategy="greedy"`` each takes the smallest colour that none of its coloured
+        neighbours has, so a graph of maximum degree ``D`` needs at most ``D + 1`` colours
+        (a mutual 6-NN graph of spots about 5-6); with ``"rounds"`` every round is a new class
+        (Luby's rule: a few tens of classes on a kNN graph). Vectorised, ``O(nnz)`` per round.
+        Fewer classes are fewer (larger) steps in every sweep of the mean-field solver.
+
+        [1] Jones, Plassmann (1993), "A parallel graph coloring heuristic", SIAM J. Sci. Comput.
 
         :param seed: seed of the priorities.
-        :returns: sorted LongTensors of node indices, on the graph's device.
+        :param strategy: ``"greedy"`` or ``"rounds"`` (see above).
+        :returns: sorted LongTensors of node indices, on the graph's device, none empty.
         """
+        if strategy not in ("greedy", "rounds"):
+            raise ValueError(f"Invalid strategy: {strategy!r}; use 'greedy' or 'rounds'")
         if self.num_rows != self.num_cols:
             raise ValueError("colour_classes needs a square graph (not a row slice)")
         indptr = self.indptr.cpu().numpy()
@@ -232,16 +241,25 @@ class SpatialGraph:
             )
         nonempty = indptr[:-1] < indptr[1:]
         starts = indptr[:-1][nonempty]
-        classes = []
+        colour = np.full(self.num_rows, -1, dtype=np.int64)
+        num_rounds = 0
         while uncoloured.any():
             neighbour_priority = np.where(uncoloured[indices], priority[indices], -np.inf)
             best = np.full(self.num_rows, -np.inf)
             if indices.size:
                 best[nonempty] = np.maximum.reduceat(neighbour_priority, starts)
             chosen = uncoloured & (priority > best)
-            classes.append(torch.from_numpy(np.flatnonzero(chosen)).to(self.indptr.device))
+            if strategy == "rounds":
+                colour[chosen] = num_rounds
+            else:
+                colour[chosen] = _smallest_free_colour(colour, indptr, indices, np.flatnonzero(chosen))
             uncoloured &= ~chosen
-        return classes
+            num_rounds += 1
+        return [
+            torch.from_numpy(np.flatnonzero(colour == c)).to(self.indptr.device)
+            for c in range(int(colour.max()) + 1)
+            if (colour == c).any()
+        ]
 
     # ------------------------------------------------------------------ conversions
 
@@ -272,3 +290,23 @@ class SpatialGraph:
             matrix.shape[1],
             backend,
         )
+
+
+def _smallest_free_colour(
+    colour: np.ndarray, indptr: np.ndarray, indices: np.ndarray, nodes: np.ndarray
+) -> np.ndarray:
+    """For each of ``nodes`` (no two adjacent), the smallest colour none of its neighbours has
+    (``colour`` is -1 where not yet coloured)."""
+    counts = indptr[nodes + 1] - indptr[nodes]
+    entries = (
+        np.repeat(indptr[nodes], counts)
+        + np.arange(counts.sum())
+        - np.repeat(np.cumsum(counts) - counts, counts)
+    )
+    owner = np.repeat(np.arange(nodes.size), counts)
+    taken_colour = colour[indices[entries]]
+    used = taken_colour >= 0
+    width = int(taken_colour.max()) + 2 if taken_colour.size else 1
+    taken = np.zeros((nodes.size, width), dtype=bool)
+    taken[owner[used], taken_colour[used]] = True
+    return np.argmin(taken, axis=1)  # the first False: a free colour always exists in the last column

@@ -6,15 +6,42 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...checks import check_positive_int
 from ...infer.problem import BlockProblem, BlockSolution
-from ..gmm import SITE_NAMES, GMMPrior, expected_log_likelihood
+from ..gmm import SITE_NAMES, GMMPrior
 from ..gmm.solver import ComponentStep, check_block_sites, check_site_names, scaled_data
-from .coordinate_ascent import colour_rows, mean_field_sweep
+from .coordinate_ascent import ColourOrder, mean_field_sweep
 from .graph import SpatialGraph
-from .objective import potts_block_negative_elbo
+from .objective import (
+    likelihood_weights,
+    negative_elbo_from_statistics,
+    potts_block_negative_elbo,
+    potts_energy,
+    row_constants,
+)
+
+
+@dataclass
+class Patch:
+    """What a patch's solves share, built on its first solve: its spots in colour order
+    (:class:`~pyro_pdvi.models.potts.coordinate_ascent.ColourOrder`) and their data.
+
+    :param indices: the patch's spots, in the order the problem gives them.
+    :param colours: the colour order of the patch's subgraph.
+    :param scaled: ``x~ = [(x - xi) / sigma0^2, 1]`` of its spots in colour order, ``(s, d + 1)``.
+    :param constant: ``sum_i c_i`` of :func:`~pyro_pdvi.models.potts.objective.row_constants`.
+    :param prior: the prior ``scaled`` and ``constant`` were computed with.
+    """
+
+    indices: torch.Tensor
+    colours: ColourOrder
+    scaled: torch.Tensor
+    constant: torch.Tensor
+    prior: GMMPrior
 
 
 class PottsBlockSolver:
@@ -36,9 +63,13 @@ class PottsBlockSolver:
 
     Each step minimises ``L_b`` exactly in its coordinates (the last one once Newton has
     converged), so ``L_b`` does not increase from sweep to sweep. The graph must be the
-    patch-restricted one (edges inside the block only); the solver caches each block's
-    subgraph and colour classes on first use. Patches differ in size, and each has its own
-    subgraph, so the blocks of a problem are solved one after the other.
+    patch-restricted one (edges inside the block only). On its first solve a patch's spots
+    are put in colour order and their scaled data ``x~`` kept (:class:`Patch`): a sweep is
+    then one product ``x~ W^T`` for ``E_q log p(x | c)``, the class updates on contiguous
+    slices, and one product ``phi^T x~`` for ``(m, rho)``; ``f_b`` comes from the same
+    statistics (:func:`~pyro_pdvi.models.potts.objective.negative_elbo_from_statistics`).
+    Patches differ in size, and each has its own subgraph, so the blocks of a problem are
+    solved one after the other.
 
     Pass as ``PDVI(model.model, model.guide, optim, model.loss, blocks=patches, eta=...,
     solver=PottsBlockSolver(data, prior, graph))`` with a :class:`PottsGMMModel`.
@@ -81,23 +112,39 @@ class PottsBlockSolver:
         self.num_sweeps = num_sweeps
         self.newton_steps = newton_steps
         self.site_names = check_site_names(site_names)
-        self._patches: dict[int, tuple[torch.Tensor, SpatialGraph, list]] = {}
+        self._patches: dict[int, Patch] = {}
+        self._prior_key: tuple | None = None
+        self._prior_on: GMMPrior | None = None
 
-    def patch(self, block: int, indices: torch.Tensor) -> tuple[SpatialGraph, list]:
-        """The block's subgraph and its colour classes with their rows (cached per block id,
-        rebuilt if the block's indices change)."""
-        indices = indices.to(self.graph.indptr.device)
+    def patch(self, block: int, indices: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Patch:
+        """The block's :class:`Patch` (cached per block id; rebuilt if the block's indices, the
+        dtype, the device or :attr:`prior` change)."""
         cached = self._patches.get(block)
-        if cached is None or not torch.equal(cached[0], indices):
-            subgraph = self.graph.subgraph(indices)
-            cached = self._patches[block] = (indices, subgraph, colour_rows(subgraph))
-        return cached[1], cached[2]
+        if (
+            cached is not None
+            and cached.prior is self.prior
+            and cached.scaled.dtype == dtype
+            and cached.scaled.device == device
+            and torch.equal(cached.indices, indices.to(cached.indices.device))
+        ):
+            return cached
+        indices = indices.to(self.graph.indptr.device)
+        colours = ColourOrder.of(self.graph.subgraph(indices))
+        prior = self.prior.to(dtype, device)
+        data = self.data.index_select(0, indices[colours.order].to(self.data.device)).to(device, dtype)
+        colours.graph = colours.graph.to(device, dtype)
+        colours.classes = [(start, end, rows.to(device, dtype)) for start, end, rows in colours.classes]
+        colours.order, colours.inverse = colours.order.to(device), colours.inverse.to(device)
+        constant = row_constants(data, prior).sum()
+        self._patches[block] = Patch(indices, colours, scaled_data(data, prior), constant, self.prior)
+        return self._patches[block]
 
     @torch.no_grad()
     def solve(self, problem: BlockProblem) -> BlockSolution:
         """Solve the problem's patches' augmented Lagrangians, one patch after the other.
 
-        :returns: ``lambda_b = (m, rho)``, the patches' logits, and ``f_b`` there.
+        :returns: ``lambda_b = (m, rho)``, the patches' logits (normalised, ``log phi``), and
+            ``f_b`` there.
         :rtype: BlockSolution
         """
         check_block_sites(
@@ -118,23 +165,33 @@ class PottsBlockSolver:
         means, log_variances, logits = self.site_names
         m_0, rho_0 = problem.consensus[means], problem.consensus[log_variances]
         dtype, device = m_0.dtype, m_0.device
-        prior = self.prior.to(dtype, device)
-        indices = problem.indices[0]
-        data = self.data.index_select(0, indices.to(self.data.device)).to(device, dtype)
-        subgraph, classes = self.patch(int(problem.blocks[0]), indices)
-        scaled = scaled_data(data, prior)
-        component_step = ComponentStep(
-            problem, (means, log_variances), prior, data.shape[0] / problem.num_data, self.newton_steps
-        )
+        patch = self.patch(int(problem.blocks[0]), problem.indices[0], dtype, device)
+        colours = patch.colours
+        prior = self.prior_on(dtype, device)
+        weight = patch.scaled.shape[0] / problem.num_data
+        component_step = ComponentStep(problem, (means, log_variances), prior, weight, self.newton_steps)
+        log_phi = torch.log_softmax(problem.local[logits][0].to(device, dtype)[colours.order], -1)
+        phi = log_phi.exp()
         m, rho = m_0.unsqueeze(0), rho_0.unsqueeze(0)
-        alpha = torch.log_softmax(problem.local[logits][0].to(device, dtype), -1)
         for _ in range(self.num_sweeps):
-            alpha = mean_field_sweep(
-                expected_log_likelihood(data, prior, m[0], rho[0]), alpha, classes, self.temperature
-            )
-            m, rho = component_step((alpha.exp().T @ scaled).unsqueeze(0), rho)
-        loss = potts_block_negative_elbo(data, prior, subgraph, m[0], rho[0], alpha, problem.num_data)
-        return BlockSolution({means: m, log_variances: rho}, {logits: alpha.unsqueeze(0)}, loss.reshape(1))
+            log_likelihood = patch.scaled @ likelihood_weights(prior, m[0], rho[0]).T
+            mean_field_sweep(log_likelihood, phi, log_phi, colours, self.temperature)
+            statistics = phi.T @ patch.scaled
+            m, rho = component_step(statistics.unsqueeze(0), rho)
+        phi_log_phi = (phi * log_phi).sum()
+        energy = potts_energy(colours.graph, phi)
+        loss = negative_elbo_from_statistics(
+            prior, m[0], rho[0], statistics, phi_log_phi, energy, patch.constant, weight
+        )
+        alpha = log_phi[colours.inverse].unsqueeze(0)
+        return BlockSolution({means: m, log_variances: rho}, {logits: alpha}, loss.reshape(1))
+
+    def prior_on(self, dtype: torch.dtype, device: torch.device) -> GMMPrior:
+        """:attr:`prior` on ``device`` (cached until :attr:`prior` changes)."""
+        key = (id(self.prior), dtype, device)
+        if self._prior_key != key:
+            self._prior_key, self._prior_on = key, self.prior.to(dtype, device)
+        return self._prior_on
 
     def augmented_lagrangian(
         self, problem: BlockProblem, m: torch.Tensor, rho: torch.Tensor, alpha: torch.Tensor
@@ -145,9 +202,9 @@ class PottsBlockSolver:
         prior = self.prior.to(m.dtype, m.device)
         values = []
         for i in range(len(problem)):
-            indices = problem.indices[i]
+            indices = problem.indices[i].to(self.graph.indptr.device)
             data = self.data.index_select(0, indices.to(self.data.device)).to(m.device, m.dtype)
-            subgraph, _ = self.patch(int(problem.blocks[i]), indices)
+            subgraph = self.graph.subgraph(indices).to(m.device, m.dtype)
             values.append(
                 potts_block_negative_elbo(
                     data, prior, subgraph, m[i], rho[i], alpha[i], problem.num_data, self.temperature

@@ -14,6 +14,8 @@ from pyro_pdvi.models.potts import (
     potts_block_negative_elbo,
     potts_negative_elbo,
 )
+from pyro_pdvi.models.potts.coordinate_ascent import ColourOrder
+from pyro_pdvi.spatial import knn_graph
 
 from .helpers import small_problem
 
@@ -129,3 +131,33 @@ def test_solver_errors():
     with pytest.raises(ValueError, match='local param site "alpha"'):
         PottsBlockSolver(data, prior, graph).solve(problem)
     assert isinstance(prior, GMMPrior)
+
+
+def test_colour_order_is_a_permutation_into_independent_contiguous_classes():
+    _, _, graph, patches, _ = small_problem(num_spots=300, num_patches=1)
+    colours = ColourOrder.of(graph)
+    assert torch.equal(colours.order[colours.inverse], torch.arange(300))
+    dense = torch.from_numpy(graph.to_scipy().toarray())
+    assert torch.equal(
+        torch.from_numpy(colours.graph.to_scipy().toarray()), dense[colours.order][:, colours.order]
+    )
+    assert [start for start, _, _ in colours.classes] == [0] + [end for _, end, _ in colours.classes[:-1]]
+    permuted = dense[colours.order][:, colours.order]
+    for start, end, rows in colours.classes:
+        assert not bool((permuted[start:end, start:end] != 0).any())
+        assert torch.equal(torch.from_numpy(rows.to_scipy().toarray()), permuted[start:end])
+
+
+def test_greedy_colouring_needs_at_most_max_degree_plus_one_colours():
+    coords = torch.rand(3000, 2, generator=torch.Generator().manual_seed(0))
+    graph = knn_graph(coords, 8, mutual=False)
+    greedy = graph.colour_classes(strategy="greedy")
+    rounds = graph.colour_classes(strategy="rounds")
+    dense = graph.to_scipy().tocsr()
+    for classes in (greedy, rounds):
+        assert torch.equal(torch.cat(classes).sort().values, torch.arange(3000))
+        for nodes in classes:
+            assert dense[nodes.numpy()][:, nodes.numpy()].nnz == 0
+    assert len(greedy) <= int(graph.indptr.diff().max()) + 1 < len(rounds)
+    with pytest.raises(ValueError, match="strategy"):
+        graph.colour_classes(strategy="dsatur")
