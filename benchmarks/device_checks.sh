@@ -6,7 +6,8 @@
 #
 # WHEEL_FOLDER holds pyro-ppl and pyro-api wheels for that Python (see the docstring of
 # benchmarks/gpu.py); results land in OUT_FOLDER: the CUDA tests, the GPU benchmark
-# table, and the spatial-domains figures and timings at 20k and 150k spots.
+# table, the spatial-domains figures and timings at 20k and 150k spots, and MF-WGF's step cost
+# (sections 5, 7, 10 and 12d; about 10 minutes at most).
 set -uo pipefail
 wheels=${1:?give the folder of wheel files}
 out=${2:?give the output folder}
@@ -18,9 +19,14 @@ export PYTHONPATH=/tmp/site:$PWD
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     python3 -c "import sys, torch, pyro; print(sys.version.split()[0], torch.__version__, pyro.__version__)"
 } | tee "$out/machine.txt"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/spatial/test_fit.py -k cuda \
-    2>&1 | tee "$out/pytest_cuda.txt"
-timeout 240 python3 benchmarks/gpu.py --device cuda --budget 200 --out "$out" \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/mfwgf/test_cuda.py \
+    tests/spatial/test_fit.py -k cuda 2>&1 | tee "$out/pytest_cuda.txt"
+timeout 200 python3 benchmarks/gpu.py --device cuda --budget 160 --out "$out" \
     2>&1 | tee "$out/gpu_benchmark.txt"
-timeout 200 python3 benchmarks/spatial_domains.py --device cuda --quiet --out "$out/spatial" \
-    2>&1 | tee "$out/spatial_domains.txt"
+# One tissue per size, the default method only: the full benchmark's 5 seeds x 3 tissues take
+# longer than this script's share of a lent device.
+timeout 150 python3 benchmarks/spatial_domains.py --device cuda --quiet --seeds 1 --generators potts \
+    --num-spots 20000 150000 --methods P2D-VI --out "$out/spatial" 2>&1 | tee "$out/spatial_domains.txt"
+# MF-WGF's cost against particles and dimension (section 12d) on the GPU.
+timeout 90 python3 benchmarks/mfwgf.py --device cuda --sections scaling --quiet --out "$out/mfwgf" \
+    2>&1 | tee "$out/mfwgf_scaling.txt"

@@ -96,7 +96,8 @@ class PDVI(StepSizeUpkeep):
         says how ``"auto"`` groups are measured.
     :param groups: preconditioner groups (P2D-VI): ``None`` for one group (PD-VI),
         ``"per_site"`` for one group per global site, or a list of dicts like torch.optim
-        param groups keyed by site names (:mod:`~pyro_pdvi.infer.step_sizes`).
+        param groups keyed by site names (:mod:`~pyro_pdvi.infer.step_sizes`); a group of one
+        site may give a tensor ``eta`` shaped like the site (a step size per coordinate).
     :param solver: the primal solver (:class:`~pyro_pdvi.infer.solvers.BlockSolver`):
         default :class:`~pyro_pdvi.infer.solvers.GenericSolver` (any model, through the
         loss), or a model's closed-form solver such as
@@ -167,6 +168,11 @@ class PDVI(StepSizeUpkeep):
         self.loss = loss
         self.partition = BlockPartition(blocks)
         self.auto_step_size = eta if isinstance(eta, AutoStepSize) else AutoStepSize()
+        if isinstance(eta, torch.Tensor):
+            raise ValueError(
+                "Invalid eta: a tensor of step sizes; a step size per coordinate goes in a group of "
+                "one site: groups=[{'sites': ['<site>'], 'eta': <tensor shaped like it>}]"
+            )
         self.eta = "auto" if isinstance(eta, AutoStepSize) else check_eta(eta, "eta")
         self.groups = groups
         self.solver = solver

@@ -8,9 +8,12 @@ site name instead of tensor::
 
     groups=[{"sites": ["loc"], "eta": "auto"},
             {"sites": r"scale.*"},                    # a regex
-            {"sites": lambda name: name.endswith("w"), "eta": 1e-3}]
+            {"sites": lambda name: name.endswith("w"), "eta": 1e-3},
+            {"sites": ["m"], "eta": eta_m}]           # a tensor shaped like site m
 
-or ``groups="per_site"`` (one group per global site). Sites in no group share
+or ``groups="per_site"`` (one group per global site). A tensor ``eta`` fixes a step size per
+coordinate of a one-site group (where a model's curvatures are known in closed form, as the
+spatial fit's). Sites in no group share
 the default group. :func:`estimate_curvatures` measures each ``L_j`` as the
 largest eigenvalue of the group's diagonal Hessian block by power iteration;
 :class:`AutoStepSize` says how (``eta_j = scale / L_j``, over how many blocks, when
@@ -41,17 +44,23 @@ class Group:
 
     :param name: group name, for diagnostics.
     :param sites: global site names in the group.
-    :param eta: a fixed step size, or ``"auto"``.
+    :param eta: a fixed step size, a tensor of them shaped like the group's one site, or ``"auto"``.
     """
 
     name: str
     sites: list[str]
-    eta: float | str
+    eta: float | str | torch.Tensor
 
 
-def check_eta(eta: float | str, where: str) -> float | str:
-    """Validate a step size: a positive finite float or ``"auto"``."""
-    if eta == "auto":
+def check_eta(eta: float | str | torch.Tensor, where: str) -> float | str | torch.Tensor:
+    """Validate a step size: a positive finite float, ``"auto"`` or a tensor of positive finite
+    floats (returned detached, float64, on the host)."""
+    if isinstance(eta, torch.Tensor):
+        eta = eta.detach().to("cpu", torch.float64)
+        if eta.numel() == 0 or not bool((torch.isfinite(eta) & (eta > 0)).all()):
+            raise ValueError(f"Invalid step sizes {where}: every entry must be a positive finite float")
+        return eta
+    if isinstance(eta, str) and eta == "auto":
         return eta
     if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not eta > 0 or eta == float("inf"):
         raise ValueError(f'Invalid step size {where}: {eta!r}; use a positive float or "auto"')
@@ -116,11 +125,27 @@ def resolve_groups(
                     "put each site in one group"
                 )
             owner[site] = name
-        resolved.append(Group(name, sites, check_eta(spec.get("eta", default_eta), where)))
+        eta = check_eta(spec.get("eta", default_eta), where)
+        if isinstance(eta, torch.Tensor) and len(sites) != 1:
+            raise ValueError(
+                f"{where} ({name!r}) has a tensor eta and {len(sites)} sites {sites}: a step size per "
+                "coordinate needs a group of one site"
+            )
+        resolved.append(Group(name, sites, eta))
     rest = [name for name in site_names if name not in owner]
     if rest:
         resolved.append(Group(DEFAULT_GROUP, rest, default_eta))
     return resolved
+
+
+def _group_eta(group: Group) -> float:
+    """A group's one step size: 0 for ``"auto"`` (not measured yet), the geometric mean of a
+    tensor's (for reports; the coordinates keep their own)."""
+    if isinstance(group.eta, str):
+        return 0.0
+    if isinstance(group.eta, torch.Tensor):
+        return float(group.eta.log().mean().exp())
+    return float(group.eta)
 
 
 def coordinate_groups(groups: list[Group], layout: GlobalLayout) -> torch.Tensor:
@@ -323,10 +348,21 @@ class StepSizes:
         self.auto = auto
         self.num_blocks = num_blocks
         self.group_of = coordinate_groups(groups, layout)
-        # Held in float64 on the host: a fixed eta is the user's float exactly.
-        self.etas = torch.tensor(
-            [0.0 if g.eta == "auto" else float(g.eta) for g in groups], dtype=torch.float64
-        )
+        # Held in float64 on the host: a fixed eta is the user's float exactly. A group with a
+        # step size per coordinate holds them in ``coordinate_etas`` (NaN elsewhere).
+        self.coordinate_etas = torch.full((layout.size,), float("nan"), dtype=torch.float64)
+        shapes = {site.name: tuple(site.shape) for site in layout.sites}
+        for group in groups:
+            if isinstance(group.eta, torch.Tensor):
+                site = group.sites[0]
+                shape = shapes[site]
+                if tuple(group.eta.shape) != tuple(shape):
+                    raise ValueError(
+                        f"group {group.name!r}: its eta has shape {tuple(group.eta.shape)}, site "
+                        f'"{site}" has shape {tuple(shape)}; give one step size per coordinate'
+                    )
+                self.coordinate_etas[layout.slices[site]] = group.eta.reshape(-1)
+        self.etas = torch.tensor([_group_eta(g) for g in groups], dtype=torch.float64)
         self.curvatures: torch.Tensor | None = None
         self.fisher: torch.Tensor | None = None
         self.block_curvature: torch.Tensor | None = None
@@ -337,7 +373,7 @@ class StepSizes:
     @property
     def measured_groups(self) -> torch.Tensor:
         """Which groups set their step sizes themselves (``"auto"``), shape ``(J,)``."""
-        return torch.tensor([g.eta == "auto" for g in self.groups])
+        return torch.tensor([isinstance(g.eta, str) for g in self.groups])
 
     @property
     def curvature_scale(self) -> float:
@@ -464,6 +500,7 @@ class StepSizes:
     def per_coordinate(self, like: torch.Tensor) -> torch.Tensor:
         """``eta`` of every coordinate of the flat global vector, dtype and device of ``like``."""
         etas = self.etas[self.group_of]
+        etas = torch.where(torch.isnan(self.coordinate_etas), etas, self.coordinate_etas)
         if self.natural and self.fisher is not None:
             # Coordinates without Fisher information keep their group's curvature rule.
             informed = self.measured_groups[self.group_of] & (self.fisher > 0)

@@ -35,13 +35,14 @@ import pyro
 import torch
 from pyro.infer import SVI
 
+from ..infer import PDVI
 from ..models.gmm import GMMPrior, prior_from_data
 from ..models.potts import PottsBlockSolver, PottsGMMModel, SpatialGraph
 from .checks import check_count, check_non_negative_number
 from .graph import default_num_patches, grid_patches, knn_graph, nearest_neighbours
 from .init import mixture_labels, neighbour_average, pseudo_likelihood_weight
 from .monitor import FitMonitor
-from .steps import CoordinatePDVI, coordinate_step_sizes
+from .steps import coordinate_step_sizes
 
 METHODS = ("p2dvi", "pdvi", "svi")
 
@@ -242,16 +243,14 @@ def fit_potts_mixture(
         algorithm = SVI(model.model, model.guide, pyro.optim.Adam({"lr": lr}), model.loss)
     else:
         solver = PottsBlockSolver(features, prior, graph, num_sweeps, newton_steps)
-        algorithm = CoordinatePDVI(
+        algorithm = PDVI(
             model.model,
             model.guide,
             pyro.optim.Adam({"lr": lr}),  # unused: the local solver does the primal step
             model.loss,
             blocks=patches,
             solver=solver,
-            eta=1.0,  # placeholders: the step sizes are per coordinate
-            groups="per_site",
-            coordinate_step_sizes=steps,
+            groups=[{"sites": [site], "eta": eta, "name": site} for site, eta in steps.items()],
         )
 
     monitor = FitMonitor(features, prior, graph, tol, truth)

@@ -1,5 +1,6 @@
 """Step sizes of the Potts fit: one per coordinate of ``m`` and ``rho``, from the patch
-curvatures in closed form [1, Thm. 4.7], and the :class:`~pyro_pdvi.PDVI` that takes them.
+curvatures in closed form [1, Thm. 4.7], for :class:`~pyro_pdvi.PDVI`'s groups (a tensor
+``eta`` per site).
 
 The curvature of a patch objective ``f_b`` [1, App. C.1] in ``m_kj`` is
 ``N_kb / sigma0_j^2 + w_b / sigma1_j^2`` and in ``rho_kj`` half that times ``exp(rho_kj)``
@@ -25,11 +26,8 @@ a margin of 2 it rose in one epoch with the default start.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from ..infer import PDVI
 from ..models.gmm import GMMPrior
 
 #: The count bound of a domain in a patch, in counts under the start labels (plus one spot).
@@ -60,38 +58,3 @@ def coordinate_step_sizes(
         bound = (COUNT_MARGIN * counts.to(rho.dtype) + 1.0).clamp(max=size)[:, None]
         worst = torch.maximum(worst, bound / prior.sigma0_sq + (size / num_data) / prior.sigma1_sq)
     return {"m": eta_scale / worst, "rho": eta_scale / (0.5 * worst * rho.exp())}
-
-
-class CoordinatePDVI(PDVI):
-    """:class:`~pyro_pdvi.PDVI` with a fixed step size per coordinate of its global sites.
-
-    PDVI's groups take one step size per group; this sets the per-coordinate ones at the end
-    of the set-up (the hook :class:`~pyro_pdvi.distributed.DistributedPDVI` uses too), where
-    the consensus state starts with zero duals, so nothing else moves. ``step_sizes``
-    reports them as :class:`~pyro_pdvi.PDVI`'s natural rule does: the geometric mean per site.
-
-    :param args: :class:`~pyro_pdvi.PDVI`'s.
-    :param coordinate_step_sizes: ``{site: eta shaped like the site}`` for every global site.
-    :param kwargs: :class:`~pyro_pdvi.PDVI`'s.
-    """
-
-    def __init__(self, *args: Any, coordinate_step_sizes: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.coordinate_step_sizes = coordinate_step_sizes
-
-    def _after_setup(self) -> None:
-        super()._after_setup()
-        missing = set(self.layout.names) - set(self.coordinate_step_sizes)
-        if missing:
-            raise ValueError(
-                f"coordinate_step_sizes has no step sizes for the global sites {sorted(missing)}"
-            )
-        flat = self.layout.flatten(
-            {k: v.to(self.state.consensus) for k, v in self.coordinate_step_sizes.items()}
-        )
-        self.state.set_step_sizes(flat)
-
-    @property
-    def step_sizes(self) -> dict[str, float]:
-        """``{site: geometric mean of its coordinates' step sizes}``."""
-        return {k: float(v.log().mean().exp()) for k, v in self.coordinate_step_sizes.items()}

@@ -193,3 +193,35 @@ def test_remeasure_epochs_validation(value):
 def test_auto_step_size_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AutoStepSize(**kwargs)
+
+
+def test_a_tensor_eta_sets_one_step_size_per_coordinate_and_keeps_the_exact_optimum():
+    """A one-site group with a tensor eta (P2D-VI with a step size per coordinate): the state
+    takes them as given, the report is their geometric mean, and the run reaches the optimum."""
+    problem = Quadratic(num_data=12, num_blocks=4, scale_b=1.0)
+    _, lam_opt = problem.optimum()
+    eta_a = torch.linspace(0.02, 0.08, problem.qa, dtype=torch.float64)
+    pdvi = _quadratic_pdvi(problem, eta=0.05, groups=[{"sites": ["a"], "eta": eta_a, "name": "a"}])
+    pdvi.step(problem.blocks[0])
+    assert torch.equal(pdvi.state.step_sizes[: problem.qa], eta_a)
+    assert torch.all(pdvi.state.step_sizes[problem.qa :] == 0.05)
+    assert pdvi.step_sizes == {"a": pytest.approx(float(eta_a.log().mean().exp())), "default": 0.05}
+    for _ in range(150):
+        for block in problem.blocks:
+            pdvi.step(block)
+    lam = torch.cat([pyro.param("a").detach(), pyro.param("b").detach()])
+    assert float((lam - lam_opt).norm() / lam_opt.norm()) <= 1e-8
+
+
+def test_tensor_eta_errors_name_the_group_and_the_fix():
+    problem = Quadratic(num_data=12, num_blocks=4, scale_b=1.0)
+    eta_a = torch.full((problem.qa,), 0.05, dtype=torch.float64)
+    with pytest.raises(ValueError, match="a step size per coordinate needs a group of one site"):
+        resolve_groups([{"sites": ["a", "b"], "eta": eta_a}], ["a", "b"], 0.1)
+    with pytest.raises(ValueError, match="every entry must be a positive finite float"):
+        resolve_groups([{"sites": ["a"], "eta": torch.tensor([0.1, -1.0])}], ["a", "b"], 0.1)
+    with pytest.raises(ValueError, match="goes in a group of one site"):
+        _quadratic_pdvi(problem, eta=eta_a)
+    wrong = _quadratic_pdvi(problem, eta=0.05, groups=[{"sites": ["a"], "eta": eta_a[:-1], "name": "a"}])
+    with pytest.raises(ValueError, match=r'group \'a\': its eta has shape .* site "a" has shape'):
+        wrong.step(problem.blocks[0])

@@ -5,10 +5,11 @@ import pyro
 import pytest
 import torch
 
+from pyro_pdvi import PDVI
 from pyro_pdvi.models.gmm import prior_from_data
 from pyro_pdvi.models.potts import PottsBlockSolver, PottsGMMModel, potts_block_negative_elbo
 from pyro_pdvi.spatial import grid_patches, knn_graph
-from pyro_pdvi.spatial.steps import COUNT_MARGIN, CoordinatePDVI, coordinate_step_sizes
+from pyro_pdvi.spatial.steps import COUNT_MARGIN, coordinate_step_sizes
 
 
 @pytest.fixture
@@ -58,34 +59,21 @@ def test_step_sizes_take_the_largest_bounded_curvature_over_patches(problem):
     assert torch.allclose(steps["rho"], 0.5 / (0.5 * worst * rho.exp()), rtol=1e-14)
 
 
-def test_coordinate_pdvi_uses_the_step_sizes_from_its_first_step(problem):
+def test_pdvi_takes_the_step_sizes_per_coordinate_from_its_groups(problem):
     data, coords, labels, prior, patches = problem
     graph = knn_graph(coords, 5, dtype=torch.float64).restrict(patches)
     pyro.clear_param_store()
     model = PottsGMMModel(data, prior, graph)
     steps = coordinate_step_sizes(prior, patches, labels, torch.full((3, 2), -1.0, dtype=torch.float64))
-    pdvi = CoordinatePDVI(
+    pdvi = PDVI(
         model.model,
         model.guide,
         pyro.optim.Adam({"lr": 0.1}),
         model.loss,
         blocks=patches,
         solver=PottsBlockSolver(data, prior, graph),
-        eta=1.0,
-        groups="per_site",
-        coordinate_step_sizes=steps,
+        groups=[{"sites": [site], "eta": eta, "name": site} for site, eta in steps.items()],
     )
     pdvi.step(patches[0])
     assert torch.equal(pdvi.state.step_sizes, pdvi.layout.flatten(steps))
     assert pdvi.step_sizes == {k: pytest.approx(float(v.log().mean().exp())) for k, v in steps.items()}
-    missing = CoordinatePDVI(
-        model.model,
-        model.guide,
-        pyro.optim.Adam({"lr": 0.1}),
-        model.loss,
-        blocks=patches,
-        solver=PottsBlockSolver(data, prior, graph),
-        coordinate_step_sizes={"m": steps["m"]},
-    )
-    with pytest.raises(ValueError, match=r"no step sizes for the global sites \['rho'\]"):
-        missing.step(patches[0])
