@@ -48,10 +48,11 @@ def test_rising_objective_halves_the_step_sizes_and_the_objective_falls_again():
 
 
 def test_guard_counts_two_rises_in_a_row():
+    """Exact ``f_b`` (a solver's): any two rises in a row above the relative tolerance."""
     guard = RisingObjectiveGuard()
     decisions = []
     for total in [10.0, 9.0, 9.5, 8.0, 8.5, 9.0, 8.0]:
-        guard.add(torch.tensor([total]), torch.tensor([1.0]))
+        guard.add(torch.tensor([total]), torch.tensor([1.0]), monte_carlo=False)
         decisions.append(guard.end_epoch())
     assert decisions == [False, False, False, False, False, True, False]
     assert guard.damping == 0.5
@@ -63,6 +64,38 @@ def test_guard_ignores_rises_while_the_copies_converge():
     guard = RisingObjectiveGuard()
     decisions = []
     for total, residual in [(8.0, 1.0), (9.0, 0.5), (9.5, 0.25), (9.7, 0.2), (9.9, 0.2), (10.1, 0.21)]:
-        guard.add(torch.tensor([total, total]), torch.tensor([residual, residual]))
+        guard.add(torch.tensor([total, total]), torch.tensor([residual, residual]), monte_carlo=False)
         decisions.append(guard.end_epoch())
     assert decisions == [False, False, False, False, False, True]
+
+
+def _decisions(totals, monte_carlo):
+    guard = RisingObjectiveGuard()
+    decisions = []
+    for total in totals:
+        guard.add(torch.tensor([float(total)]), torch.tensor([1.0]), monte_carlo=monte_carlo)
+        decisions.append(guard.end_epoch())
+    return decisions
+
+
+def test_monte_carlo_noise_does_not_damp_but_a_climb_through_it_does():
+    """Stationary noise of sd 1 around 1000 (Monte Carlo f_b): rises within it do not count,
+    though the same estimate from exact f_b is damped; a climb of 5 per epoch through the same
+    noise is damped within a few epochs of starting."""
+    noise = torch.randn(60, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    flat = (1000 + noise).tolist()
+    assert not any(_decisions(flat, monte_carlo=True))
+    assert any(_decisions([1000 + 50 * e for e in noise.tolist()], monte_carlo=False))
+    climb = flat[:30] + [flat[30 + k] + 5 * (k + 1) for k in range(30)]
+    decisions = _decisions(climb, monte_carlo=True)
+    assert not any(decisions[:30]) and any(decisions[30:36])
+
+
+def test_guard_state_round_trips():
+    guard = RisingObjectiveGuard()
+    for total in [3.0, 2.0, 2.5, 1.0, 1.5, 1.2]:
+        guard.add(torch.tensor([total]), torch.tensor([1.0]), monte_carlo=True)
+        guard.end_epoch()
+    copy = RisingObjectiveGuard()
+    copy.load_state_dict(guard.state_dict())
+    assert copy.monte_carlo and copy.noise_sd() == guard.noise_sd() > 0
