@@ -137,7 +137,7 @@ class RisingObjectiveGuard:
         self.visits = state["visits"]
         self.epochs, self.residuals = list(state["epochs"]), list(state["residuals"])
         self.rises, self.damping = state["rises"], state["damping"]
-        self.monte_carlo = state["monte_carlo"]
+        self.monte_carlo = state.get("monte_carlo", False)  # absent from checkpoints before d9e5461
 
 
 def _copy(value: torch.Tensor | float) -> torch.Tensor | float:
