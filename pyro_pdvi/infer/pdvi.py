@@ -41,6 +41,7 @@ from .run import RunResult, run_epochs
 from .safeguard import RisingObjectiveGuard
 from .sites import GlobalLayout, find_sites, missing_subsample_message
 from .solvers import BlockSolver, GenericSolver
+from .stationarity import StationarityTest
 from .step_sizes import AutoStepSize, StepSizes, check_eta, resolve_groups
 from .upkeep import StepSizeUpkeep
 
@@ -123,6 +124,11 @@ class PDVI(StepSizeUpkeep):
         solve's vectorized particles (:mod:`~pyro_pdvi.infer.antithetic`), which removes the
         term linear in the noise from a fixed-noise block solve. ``"auto"`` (default): on
         when the solve's ELBO vectorizes an even number of particles.
+    :param step_decay: halve a coordinate's step size once it only wanders in the solves'
+        Monte Carlo noise (Pflug's test, :mod:`~pyro_pdvi.infer.stationarity`), so that the
+        consensus converges instead of ending in a noise cloud whose width grows with the
+        step size. ``"auto"`` (default): on for a Monte Carlo solve (as ``global_update``
+        says), off for a deterministic one; ``True`` or ``False`` force it.
     :param plate_name: name of the data plate, if several plates have size N.
     """
 
@@ -141,6 +147,7 @@ class PDVI(StepSizeUpkeep):
         warmup_epochs: float = 5.0,
         particles: int | str | None = "auto",
         antithetic: bool | str = "auto",
+        step_decay: bool | str = "auto",
         plate_name: str | None = None,
     ) -> None:
         if not isinstance(optim, PyroOptim):
@@ -163,6 +170,8 @@ class PDVI(StepSizeUpkeep):
             )
         if antithetic != "auto" and not isinstance(antithetic, bool):
             raise ValueError(f'Invalid antithetic: {antithetic!r}; use True, False or "auto"')
+        if step_decay != "auto" and not isinstance(step_decay, bool):
+            raise ValueError(f'Invalid step_decay: {step_decay!r}; use True, False or "auto"')
         self.particles = check_particles(particles)
 
         self.model = model
@@ -182,12 +191,14 @@ class PDVI(StepSizeUpkeep):
         self.global_update = global_update
         self.warmup_epochs = check_non_negative(warmup_epochs, "warmup_epochs")
         self.antithetic = antithetic
+        self.step_decay = step_decay
         self.plate_name = plate_name
         self.num_steps = 0
         self.diagnostics: dict[str, Any] = {}
         self._block_visits = 0
         self._bounded_blocks: set[int] = set()
         self._guard = RisingObjectiveGuard()
+        self._stationarity = StationarityTest()
         self._state: ConsensusState | None = None
         self._pending_state: dict | None = None
         # PDVI's own randomness (noise seeds, curvature probes, run's block order) comes from
@@ -466,6 +477,7 @@ class PDVI(StepSizeUpkeep):
             "curvatures": self.curvatures,
             "global_update": state.global_update,
             "damping": self._guard.damping,
+            "step_decay": self._step_sizes.decay,
         }
         return loss * (self.partition.num_data / num_indices)
 
@@ -615,6 +627,7 @@ class PDVI(StepSizeUpkeep):
             "rng_state": self._rng.get_state(),
             "bounded_blocks": sorted(self._bounded_blocks),
             "guard": self._guard.state_dict(),
+            "stationarity": self._stationarity.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -636,5 +649,7 @@ class PDVI(StepSizeUpkeep):
         self._step_sizes.load_state_dict(state["step_sizes"])
         self._bounded_blocks = set(state["bounded_blocks"])
         self._guard.load_state_dict(state["guard"])
+        if "stationarity" in state:  # absent from checkpoints before the stationarity test
+            self._stationarity.load_state_dict(state["stationarity"])
         self._state.load_state_dict(state["consensus_state"])
         self._rng.set_state(state["rng_state"])

@@ -368,6 +368,8 @@ class StepSizes:
         self.block_curvature: torch.Tensor | None = None
         #: A factor on every step size (:mod:`~pyro_pdvi.infer.safeguard` halves it).
         self.damping = 1.0
+        #: A factor per coordinate, flat (:mod:`~pyro_pdvi.infer.stationarity` halves them).
+        self.decay: torch.Tensor | None = None
         self.remeasured = 0
 
     @property
@@ -512,6 +514,8 @@ class StepSizes:
             etas = torch.where(informed, natural, etas)
         # A collapsed scale (Fisher ~ 1/sigma^2 huge) must not round eta to 0 in ``like``'s
         # dtype: the dual step divides by it.
+        if self.decay is not None:
+            etas = self.decay * etas
         return (self.damping * etas).clamp(min=torch.finfo(like.dtype).tiny ** 0.5).to(like)
 
     def as_dict(self) -> dict[str, float]:
@@ -540,6 +544,7 @@ class StepSizes:
             "fisher": None if self.fisher is None else self.fisher.clone(),
             "block_curvature": None if self.block_curvature is None else self.block_curvature.clone(),
             "damping": self.damping,
+            "decay": None if self.decay is None else self.decay.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -552,5 +557,7 @@ class StepSizes:
         self.curvatures = None if curvatures is None else curvatures.to(torch.float64)
         self.fisher = None if fisher is None else fisher.to(torch.float64)
         self.damping = state["damping"]
+        decay = state.get("decay")  # absent from checkpoints before the stationarity test
+        self.decay = None if decay is None else decay.to(torch.float64)
         bound = state["block_curvature"]
         self.block_curvature = None if bound is None else bound.to(torch.float64)

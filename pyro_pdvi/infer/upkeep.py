@@ -8,7 +8,8 @@ After every accepted step (never inside one, so a refused step changes nothing):
 * under the curvature rule, the curvatures are measured again when
   ``AutoStepSize.remeasure_epochs`` say so;
 * at the end of an epoch the rising-objective safeguard (:mod:`~pyro_pdvi.infer.safeguard`)
-  may halve every step size.
+  may halve every step size, and the stationarity test (:mod:`~pyro_pdvi.infer.stationarity`)
+  those of the coordinates that only wander in the Monte Carlo noise.
 
 A change of step sizes moves ``lambda_0`` with ``h = H mean(mu)`` and keeps the fixed point.
 """
@@ -46,10 +47,17 @@ class StepSizeUpkeep:
                 f"step size is now {self._guard.damping:g} of its rule's (diagnostics['damping'])",
                 stacklevel=4,
             )
+        if epoch_ended and self._decays_steps() and self._stationarity.end_epoch(self._state.consensus):
+            self._step_sizes.decay = self._stationarity.decay
+            changed = True
         if changed:
             self._apply_step_sizes()
         if self._step_sizes.remeasure_due(self._block_visits, len(self.partition)):
             self._remeasure(args, kwargs)
+
+    def _decays_steps(self) -> bool:
+        """Whether the stationarity test runs (``step_decay``; ``"auto"``: a Monte Carlo solve)."""
+        return self._noisy_solve if self.step_decay == "auto" else self.step_decay
 
     def _measure_fisher(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         """The guide's Fisher diagonal at ``lambda_0`` (:mod:`~pyro_pdvi.infer.fisher`), on the

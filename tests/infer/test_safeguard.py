@@ -122,7 +122,9 @@ def test_monte_carlo_noise_of_a_convex_fit_is_not_damped():
     def damping(monte_carlo_noise: bool) -> float:
         pyro.clear_param_store()
         pyro.set_rng_seed(1)
-        pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), Trace_ELBO(), blocks=blocks)
+        pdvi = PDVI(
+            model, AutoNormal(model), pyro.optim.Adam({}), Trace_ELBO(), blocks=blocks, step_decay=False
+        )
         add = pdvi._guard.add
         pdvi._guard.add = lambda losses, residuals, mc: add(losses, residuals, mc and monte_carlo_noise)
         with warnings.catch_warnings():
