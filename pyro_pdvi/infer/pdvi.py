@@ -492,10 +492,15 @@ class PDVI(StepSizeUpkeep):
             {k: v[i] for k, v in part.items()} for indices, part in solved.parts for i in range(len(indices))
         ]
         b, culprit = find_non_finite(solved.block_ids, solved.losses, rows, update, self.layout)
+        if self.eta == "auto":
+            smaller = f"eta=AutoStepSize(scale={self.auto_step_size.scale / 2:g}), half the scale in use"
+        else:
+            smaller = f"eta={float(self.eta) / 2:g}, half the eta in use"
         raise NonFiniteStepError(
             f"PDVI step {self.num_steps + 1}: block {b} produced a non-finite {culprit}; the step "
-            "was refused and no param, dual or copy changed. Check the model on this block, "
-            "or lower eta (or AutoStepSize(scale=...))."
+            "was refused and no param, dual or copy changed. Check the model on this block; if "
+            f"it is fine there, the step sizes {self.step_sizes} are too large for this model "
+            f"here: restart with smaller ones ({smaller})."
         )
 
     # ---------------------------------------------------------------- epochs

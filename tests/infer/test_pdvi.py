@@ -191,8 +191,9 @@ def test_non_finite_step_is_refused_and_changes_nothing():
     pdvi.step(problem.blocks[0])
     before_state = copy.deepcopy(pdvi.state_dict())
     before_store = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
-    with pytest.raises(NonFiniteStepError, match="block 2 produced a non-finite"):
+    with pytest.raises(NonFiniteStepError, match="block 2 produced a non-finite") as error:
         pdvi.step(problem.blocks[2])
+    assert f"eta=AutoStepSize(scale={pdvi.auto_step_size.scale / 2:g})" in str(error.value)
     after_state = pdvi.state_dict()
     assert after_state["num_steps"] == before_state["num_steps"]
     for key, value in before_state["consensus_state"].items():
