@@ -7,6 +7,7 @@ import warnings
 import numpy
 import pyro
 import pyro.distributions as dist
+import pytest
 import torch
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
@@ -121,3 +122,8 @@ def test_step_decay_brings_a_one_particle_fit_closer_to_the_mean_field_optimum()
         )
     print(errors)
     assert errors[True][0] < errors[False][0] and errors[True][1] < errors[False][1]
+
+
+def test_invalid_step_decay_is_refused():
+    with pytest.raises(ValueError, match="Invalid step_decay: 'yes'"):
+        PDVI(model, AutoNormal(model), pyro.optim.Adam({}), Trace_ELBO(), blocks=BLOCKS, step_decay="yes")
