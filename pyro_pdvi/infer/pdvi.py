@@ -114,7 +114,11 @@ class PDVI(StepSizeUpkeep):
         without Monte Carlo sites), else the paper's rule for ``warmup_epochs`` epochs and
         the consensus rule after (``docs/benchmarks.md``, sections 1 and 2).
     :param warmup_epochs: epochs (block visits / n) of the paper's rule before ``"auto"``
-        switches to the consensus rule for a Monte Carlo solve.
+        switches to the consensus rule for a Monte Carlo solve. The default is one: under the
+        paper's rule a dual that an inexact solve left in a coordinate its blocks barely
+        inform moves ``lambda_0`` by ``h`` at every step, which drove a scale to underflow on
+        the generic suite's full-size GMM (epoch 2.4) and on PPCA (2 of 7 starts, epoch 3)
+        with five (``docs/benchmarks.md`` 13d).
     :param particles: Monte Carlo particles of a block solve (:mod:`~pyro_pdvi.infer.particles`):
         ``"auto"`` (default) solves with a copy of the user's ELBO that draws 64 vectorized
         particles when the user's ELBO does not vectorize several (Pyro's default draws one),
@@ -146,7 +150,7 @@ class PDVI(StepSizeUpkeep):
         groups: list[dict] | str | None = None,
         solver: BlockSolver | None = None,
         global_update: str = "auto",
-        warmup_epochs: float = 5.0,
+        warmup_epochs: float = 1.0,
         particles: int | str | None = "auto",
         antithetic: bool | str = "auto",
         step_decay: bool | str = "auto",
