@@ -54,15 +54,12 @@ class StepSolution(NamedTuple):
     :param losses: ``f_b`` at the solutions, shape ``(m,)``.
     :param parts: per group of equal-size blocks, their data indices ``(m_g, s_g)`` and
         new local rows ``(m_g, *rows_shape)``.
-    :param monte_carlo: whether some ``f_b`` is a Monte Carlo estimate through the user's loss
-        (not one the solver computed exactly).
     """
 
     block_ids: torch.Tensor
     copies: torch.Tensor
     losses: torch.Tensor
     parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
-    monte_carlo: bool
 
 
 class PDVI(StepSizeUpkeep):
@@ -240,6 +237,7 @@ class PDVI(StepSizeUpkeep):
             first_blocks = self.partition.blocks_in(self._step_subsample(args, kwargs))
         self._noisy_solve = isinstance(self.solver, GenericSolver) and bool(found.monte_carlo_sites)
         self._solve_loss = solve_loss(self.loss, self.particles, self.antithetic, self._noisy_solve)
+        self._guard.monte_carlo = self._noisy_solve
         self.layout = GlobalLayout(global_sites)
         self._params = ParamStoreView(self.layout, self.local_sites)
         self._objective = BlockObjective(
@@ -342,21 +340,19 @@ class PDVI(StepSizeUpkeep):
         """Primal solutions of the step's blocks: one problem per group of equal-size blocks."""
         sizes = self.partition.sizes[block_ids]
         solved_ids, copies, losses, parts = [], [], [], []
-        monte_carlo = False
         for size in sizes.unique().tolist():
             chosen = (sizes == size).nonzero().reshape(-1)
             ids = block_ids[chosen]
             problem = self._problem(ids, [seeds[i] for i in chosen.tolist()], args, kwargs)
             solution = self.solver.solve(problem)
             loss = solution.loss
-            monte_carlo |= loss is None or solution.monte_carlo
             if loss is None:
                 loss = problem.losses(self._copies_of(solution.globals), solution.local)
             solved_ids.append(ids)
             copies.append(self.layout.flatten(solution.globals, batch_dims=1))
             losses.append(loss.detach().reshape(-1))
             parts.append((problem.indices, solution.local))
-        return StepSolution(torch.cat(solved_ids), torch.cat(copies), torch.cat(losses), parts, monte_carlo)
+        return StepSolution(torch.cat(solved_ids), torch.cat(copies), torch.cat(losses), parts)
 
     @staticmethod
     def _copies_of(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -472,7 +468,7 @@ class PDVI(StepSizeUpkeep):
         self._block_visits += int(num_blocks)
         moves = solved.copies - old_consensus
         # f_b at lambda_0 to first order (mu_b = -grad f_b(lambda_b) at an exact solve).
-        self._guard.add(solved.losses + (update.duals * moves).sum(1), moves.norm(dim=1), solved.monte_carlo)
+        self._guard.add(solved.losses + (update.duals * moves).sum(1), moves.norm(dim=1))
         self.diagnostics = {
             "step": self.num_steps,
             "blocks": solved.block_ids,

@@ -104,12 +104,9 @@ class BlockSolution:
     :param globals: ``lambda_b`` for each global site, shape ``(m, *site_shape)``.
     :param local: the new ``phi_b`` for each local site, shaped like ``problem.local``.
     :param loss: ``f_b`` at each solution, shape ``(m,)``, if the solver knows it (else
-        PDVI evaluates it through the user's loss, a Monte Carlo estimate).
-    :param monte_carlo: whether ``loss`` is a Monte Carlo estimate (as through the user's loss)
-        rather than exact; the rising-objective safeguard then allows for its noise.
+        PDVI evaluates it).
     """
 
     globals: dict[str, torch.Tensor]
     local: dict[str, torch.Tensor]
     loss: torch.Tensor | None = None
-    monte_carlo: bool = False

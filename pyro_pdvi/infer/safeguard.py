@@ -14,7 +14,7 @@ kept). It reads the host once an epoch.
 Through the user's loss the estimate is noisy (Monte Carlo ``f_b``, one particle for a default
 ``Trace_ELBO``), and noise alone rises two epochs in a row one time in four: that damped
 Bayesian logistic regression (the generic suite's ``logreg``) 32-64x in 55 epochs and doubled
-its error at equal time. So when some ``f_b`` is a Monte Carlo estimate, a rise counts only
+its error at equal time. So when the ``f_b`` are Monte Carlo estimates, a rise counts only
 above :data:`RISE_SDS` standard deviations of an epoch-to-epoch change, which the guard
 estimates from the recent second differences of the estimate (a robust median, blind to a
 steady climb, whose second differences are small): logistic regression was then damped 0-2x.
@@ -60,9 +60,14 @@ RESIDUAL_FALL = 0.9
 
 
 class RisingObjectiveGuard:
-    """Sums the blocks' ``f_b`` over each epoch and says when to halve the step sizes."""
+    """Sums the blocks' ``f_b`` over each epoch and says when to halve the step sizes.
 
-    def __init__(self) -> None:
+    :param monte_carlo: whether the ``f_b`` are Monte Carlo estimates (PDVI sets it at set-up:
+        its generic solve through the user's loss with Monte Carlo guide sites); then rises
+        within the estimate's noise do not count.
+    """
+
+    def __init__(self, monte_carlo: bool = False) -> None:
         self.running: torch.Tensor | float = 0.0
         self.running_residual: torch.Tensor | float = 0.0
         self.visits = 0
@@ -70,20 +75,17 @@ class RisingObjectiveGuard:
         self.residuals: list[float] = []
         self.rises = 0
         self.damping = 1.0
-        self.monte_carlo = False
+        self.monte_carlo = monte_carlo
 
-    def add(self, losses: torch.Tensor, residuals: torch.Tensor, monte_carlo: bool) -> None:
+    def add(self, losses: torch.Tensor, residuals: torch.Tensor) -> None:
         """An accepted step's blocks (kept on their device until the epoch ends).
 
         :param losses: their ``f_b``, shape ``(m,)``.
         :param residuals: their ``||lambda_b - lambda_0||``, shape ``(m,)``.
-        :param monte_carlo: whether some ``f_b`` is a Monte Carlo estimate (then rises within
-            the estimate's noise do not count, from now on).
         """
         self.running = self.running + losses.detach().sum()
         self.running_residual = self.running_residual + residuals.detach().sum()
         self.visits += len(losses)
-        self.monte_carlo = self.monte_carlo or monte_carlo
 
     def end_epoch(self) -> bool:
         """Close an epoch.
@@ -129,7 +131,6 @@ class RisingObjectiveGuard:
             "residuals": list(self.residuals),
             "rises": self.rises,
             "damping": self.damping,
-            "monte_carlo": self.monte_carlo,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -137,7 +138,6 @@ class RisingObjectiveGuard:
         self.visits = state["visits"]
         self.epochs, self.residuals = list(state["epochs"]), list(state["residuals"])
         self.rises, self.damping = state["rises"], state["damping"]
-        self.monte_carlo = state.get("monte_carlo", False)  # absent from checkpoints before d9e5461
 
 
 def _copy(value: torch.Tensor | float) -> torch.Tensor | float:

@@ -105,7 +105,7 @@ class GenericSolver:
         with torch.no_grad():
             copies, rows = unpack(result.x)
             losses = result.value - problem.penalty(copies)
-        return BlockSolution(copies, rows, losses, monte_carlo=True)
+        return BlockSolution(copies, rows, losses)
 
     def _solve_by_optim(self, problem: BlockProblem, vectorize: bool) -> BlockSolution:
         optim = problem.optim
@@ -127,10 +127,7 @@ class GenericSolver:
             inner.step()
         losses = problem.losses(copies, rows, vectorize).detach()
         return BlockSolution(
-            {k: v.detach() for k, v in copies.items()},
-            {k: v.detach() for k, v in rows.items()},
-            losses,
-            monte_carlo=True,
+            {k: v.detach() for k, v in copies.items()}, {k: v.detach() for k, v in rows.items()}, losses
         )
 
 
