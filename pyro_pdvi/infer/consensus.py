@@ -7,7 +7,7 @@ With ``H = diag(step_sizes)`` (``D = H^{-1}`` in the augmented Lagrangian):
 * ``h = H * mean_b(mu_b)``, kept exactly through the running dual mean
   (the paper's ``h += (1/n) sum_{b in S} (lambda_b - lambda_0)`` is the same
   update when ``H`` is fixed);
-* global step, one of two rules that share the same fixed point (every copy
+* global step, one of three rules that share the same fixed point (every copy
   equal to ``lambda_0`` and ``mean(mu) = 0``, i.e. ``sum_b grad f_b = 0``):
 
   - ``"paper"``: ``lambda_0 = gamma + h`` with ``gamma`` the mean of this
@@ -17,10 +17,18 @@ With ``H = diag(step_sizes)`` (``D = H^{-1}`` in the augmented Lagrangian):
     ``lambda_0`` [1, Sec. 3.3]. With one block per step the paper's rule hands
     that block's Monte Carlo noise to ``lambda_0`` in full; averaging all
     copies divides it by about ``sqrt(n)``, but moves ``lambda_0`` only ``1/n``
-    of a block's change per step (measured in docs/benchmarks.md).
+    of a block's change per step (measured in docs/benchmarks.md);
+  - ``"weighted"``: per coordinate ``j``, ``lambda_0j = w_j gamma_j + (1 - w_j)
+    mean_b(lambda_bj) + h_j`` with ``w_j`` the step's blocks' share of the information
+    about coordinate ``j``: ``w_j = sum_{b in S} c_bj / sum_b c_bj`` for ``c_bj`` the
+    diagonal curvature of ``f_b`` (:meth:`ConsensusState.set_information`, measured once
+    per block). A coordinate that only the step's block informs (a random effect of one
+    group) moves with that block, as under the paper's rule; one that every block informs
+    alike (``w_j = 1/n``) is averaged over the blocks, as under the consensus rule; a
+    coordinate no block is measured to inform takes the consensus rule.
 
   :class:`~pyro_pdvi.PDVI` may switch the rule between steps (its
-  ``global_update="auto"``); the state is the same for both.
+  ``global_update="auto"``); the state is the same for all.
 
 [1] Lyu, Yu, Ma, Shi (2026), arXiv:2602.07632.
 """
@@ -34,7 +42,7 @@ import torch
 
 from .sites import GlobalLayout
 
-GLOBAL_UPDATES = ("consensus", "paper")
+GLOBAL_UPDATES = ("consensus", "paper", "weighted")
 
 
 class ConsensusUpdate(NamedTuple):
@@ -54,7 +62,7 @@ class ConsensusState:
     :param consensus: initial ``lambda_0``, a flat vector of size P.
     :param num_blocks: n, the number of blocks.
     :param step_sizes: per-coordinate step sizes ``eta`` (size P), the diagonal of H.
-    :param global_update: ``"consensus"`` or ``"paper"`` (see the module docstring).
+    :param global_update: ``"consensus"``, ``"paper"`` or ``"weighted"`` (see the module docstring).
     """
 
     def __init__(
@@ -74,6 +82,23 @@ class ConsensusState:
         self.copies = self.consensus.expand(num_blocks, -1).clone()
         self.dual_mean = torch.zeros_like(self.consensus)
         self.copy_mean = self.consensus.clone()
+        #: ``c_bj``, each block's diagonal curvature, ``(n, P)``: the weights of ``"weighted"``
+        #: (zero until measured).
+        self.information = torch.zeros_like(self.duals)
+
+    def set_information(self, block_ids: torch.Tensor, curvature: torch.Tensor) -> None:
+        """Record ``c_bj``, the diagonal curvature of ``f_b`` in every coordinate, of some blocks.
+
+        :param block_ids: the blocks, shape ``(m,)``.
+        :param curvature: their diagonal curvatures, non-negative, shape ``(m, P)``.
+        """
+        self.information[block_ids.to(self.duals.device)] = curvature.to(self.information)
+
+    def information_share(self, step_information: torch.Tensor) -> torch.Tensor:
+        """``w_j`` of the weighted rule, from the step's ``sum_{b in S} c_bj`` (shape ``(P,)``);
+        0 where no block is measured to inform coordinate ``j``."""
+        total = self.information.sum(0)
+        return torch.where(total > 0, step_information / total, 0.0).clamp(0.0, 1.0)
 
     @property
     def h(self) -> torch.Tensor:
@@ -93,7 +118,8 @@ class ConsensusState:
         :param all_reduce: for a step whose blocks are spread over processes: sums a
             tensor over them (each process passes its own blocks). The global update
             needs only sums over the step's blocks: of the dual and copy changes (for
-            ``mean(mu)`` and ``mean(lambda_b)``) and of the copies (for ``gamma``).
+            ``mean(mu)`` and ``mean(lambda_b)``), of the copies (for ``gamma``) and of their
+            information (for ``w``).
         """
         block_ids = block_ids.to(self.duals.device)
         size = self.consensus.numel()
@@ -103,6 +129,7 @@ class ConsensusState:
                 (duals - self.duals[block_ids]).sum(0),
                 (copies - self.copies[block_ids]).sum(0),
                 copies.sum(0),
+                self.information[block_ids].sum(0),
                 copies.new_full((1,), len(block_ids)),
             ]
         )
@@ -110,7 +137,14 @@ class ConsensusState:
             sums = all_reduce(sums)
         dual_mean = self.dual_mean + sums[:size] / self.num_blocks
         copy_mean = self.copy_mean + sums[size : 2 * size] / self.num_blocks
-        base = sums[2 * size : 3 * size] / sums[-1] if self.global_update == "paper" else copy_mean
+        step_mean = sums[2 * size : 3 * size] / sums[-1]
+        if self.global_update == "paper":
+            base = step_mean
+        elif self.global_update == "consensus":
+            base = copy_mean
+        else:
+            share = self.information_share(sums[3 * size : 4 * size])
+            base = share * step_mean + (1 - share) * copy_mean
         consensus = base + self.step_sizes * dual_mean
         return ConsensusUpdate(block_ids, copies, duals, dual_mean, copy_mean, consensus)
 
@@ -137,6 +171,7 @@ class ConsensusState:
             "copies": self.copies.clone(),
             "dual_mean": self.dual_mean.clone(),
             "copy_mean": self.copy_mean.clone(),
+            "information": self.information.clone(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -148,6 +183,8 @@ class ConsensusState:
         self.global_update = state["global_update"]
         for key in ("consensus", "step_sizes", "duals", "copies", "dual_mean", "copy_mean"):
             setattr(self, key, state[key].detach().clone().to(self.duals))
+        if "information" in state:  # absent from checkpoints before the weighted rule
+            self.information = state["information"].detach().clone().to(self.duals)
 
 
 def find_non_finite(

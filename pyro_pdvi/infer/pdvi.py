@@ -106,12 +106,14 @@ class PDVI(StepSizeUpkeep):
     :param global_update: how ``lambda_0`` moves (:mod:`~pyro_pdvi.infer.consensus`; same fixed
         point for all): ``"paper"`` (the mean of this step's copies, as in [1]), ``"consensus"``
         (the mean of every block's latest copy, which averages the solves' Monte Carlo noise
-        over the blocks) or ``"auto"`` (default): the paper's rule for a deterministic solve
-        (a solver other than :class:`~pyro_pdvi.infer.solvers.GenericSolver`, or a guide
-        without Monte Carlo sites), else the paper's rule for ``warmup_epochs`` epochs and
-        the consensus rule after (``docs/benchmarks.md``, sections 1 and 2).
+        over the blocks), ``"weighted"`` (per coordinate, between the two by the step's blocks'
+        share of the information about it, measured once per block: a random effect that one
+        block informs moves with that block) or ``"auto"`` (default): the paper's rule for a
+        deterministic solve (a solver other than :class:`~pyro_pdvi.infer.solvers.GenericSolver`,
+        or a guide without Monte Carlo sites), else the paper's rule for ``warmup_epochs``
+        epochs and the weighted rule after (``docs/benchmarks.md``, sections 1, 2 and 13e).
     :param warmup_epochs: epochs (block visits / n) of the paper's rule before ``"auto"``
-        switches to the consensus rule for a Monte Carlo solve. The default is one: under the
+        switches to the weighted rule for a Monte Carlo solve. The default is one: under the
         paper's rule a dual that an inexact solve left in a coordinate its blocks barely
         inform moves ``lambda_0`` by ``h`` at every step, which drove a scale to underflow on
         the generic suite's full-size GMM (epoch 2.4) and on PPCA (2 of 7 starts, epoch 3)
@@ -423,7 +425,7 @@ class PDVI(StepSizeUpkeep):
         if self.global_update != "auto":
             return self.global_update
         warm = self._block_visits < self.warmup_epochs * len(self.partition)
-        return "paper" if warm or not self._noisy_solve else "consensus"
+        return "paper" if warm or not self._noisy_solve else "weighted"
 
     #: Whether each step is shared with other processes (which must then act in step).
     _shares_steps = False

@@ -2,9 +2,11 @@
 
 After every accepted step (never inside one, so a refused step changes nothing):
 
-* under the natural rule (:mod:`~pyro_pdvi.infer.fisher`), the blocks solved for the first
-  time have their diagonal curvature measured, which bounds the step sizes, and once an epoch
-  the guide's Fisher information is measured again at ``lambda_0``;
+* the blocks solved for the first time have their diagonal curvature measured, which bounds
+  the step sizes of the natural rule and weighs the blocks in the global update's
+  ``"weighted"`` rule (:mod:`~pyro_pdvi.infer.consensus`);
+* under the natural rule (:mod:`~pyro_pdvi.infer.fisher`), once an epoch the guide's Fisher
+  information is measured again at ``lambda_0``;
 * under the curvature rule, the curvatures are measured again when
   ``AutoStepSize.remeasure_epochs`` say so;
 * at the end of an epoch the rising-objective safeguard (:mod:`~pyro_pdvi.infer.safeguard`)
@@ -30,15 +32,16 @@ class StepSizeUpkeep:
     """The step-size methods of :class:`~pyro_pdvi.PDVI` (see the module docstring)."""
 
     def _adapt_step_sizes(self, block_ids: torch.Tensor, epoch: int, args: tuple, kwargs: dict) -> None:
-        """After an accepted step: under the natural rule, bound the step sizes by the curvature
-        of the blocks solved for the first time, and follow the guide's Fisher information once
-        an epoch; under the curvature rule, re-measure when ``remeasure_epochs`` say so."""
+        """After an accepted step: measure the blocks solved for the first time (the natural
+        rule's bound, the weighted global update's weights); under the natural rule, follow the
+        guide's Fisher information once an epoch; under the curvature rule, re-measure when
+        ``remeasure_epochs`` say so."""
         changed = False
         epoch_ended = self._block_visits // len(self.partition) > epoch
-        if self._step_sizes.natural:
-            changed = self._bound_step_sizes(block_ids, args, kwargs)
-            if epoch_ended:
-                changed |= self._step_sizes.set_fisher(self._measure_fisher(block_ids, args, kwargs))
+        if self._step_sizes.natural or self._weighs_blocks():
+            changed = self._measure_new_blocks(block_ids, args, kwargs)
+        if self._step_sizes.natural and epoch_ended:
+            changed |= self._step_sizes.set_fisher(self._measure_fisher(block_ids, args, kwargs))
         if epoch_ended and self._guard.end_epoch():
             self._step_sizes.damping = self._guard.damping
             changed = True
@@ -76,12 +79,19 @@ class StepSizeUpkeep:
         count = torch.tensor([float(min(len(block_ids), auto.fisher_blocks))], dtype=fisher.dtype)
         return self._all_reduce(fisher) / self._all_reduce(count.to(fisher.device))
 
-    def _bound_step_sizes(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> bool:
-        """Measure the diagonal curvature of the blocks just solved for the first time, at the new
-        ``lambda_0`` (natural rule: the bound ``eta_j <= 8 / max_b h_bj`` over the blocks seen so
-        far). Processes that share steps take the max of theirs.
+    def _weighs_blocks(self) -> bool:
+        """Whether the global update may take the ``"weighted"`` rule, which needs every block's
+        diagonal curvature."""
+        return self.global_update == "weighted" or (self.global_update == "auto" and self._noisy_solve)
 
-        :returns: whether a bound grew.
+    def _measure_new_blocks(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+        """Measure the diagonal curvature ``c_b`` of the blocks just solved for the first time, at
+        the new ``lambda_0``: the weights of the ``"weighted"`` global update
+        (:meth:`~pyro_pdvi.infer.consensus.ConsensusState.set_information`) and, under the
+        natural rule, the bound ``eta_j <= 8 / max_b c_bj`` over the blocks seen so far.
+        Processes that share steps measure their own blocks and add up the rows.
+
+        :returns: whether a bound of the natural rule grew.
         """
         new = [b for b in block_ids.tolist() if b not in self._bounded_blocks]
         if self._shares_steps:
@@ -89,14 +99,20 @@ class StepSizeUpkeep:
                 return False
         elif not new:
             return False
-        curvature = torch.zeros_like(self._state.consensus)
+        measured = torch.zeros_like(self._state.information)
         probes = self.auto_step_size.curvature_probes
         seed = self._side_seed(-1)
         for b in new:
             gradient = self._block_gradient(b, args, kwargs, seed + b)
-            curvature = torch.maximum(curvature, diagonal_curvature(gradient, self._state.consensus, probes))
+            measured[b] = diagonal_curvature(gradient, self._state.consensus, probes)
             self._bounded_blocks.add(b)
-        return self._step_sizes.bound_block_curvature(self._all_reduce(curvature, op="max"))
+        # Each process measured its own new blocks: the sum over processes gives every row.
+        measured = self._all_reduce(measured)
+        ids = measured.sum(1).nonzero().reshape(-1)
+        self._state.set_information(ids, measured[ids])
+        if not self._step_sizes.natural:
+            return False
+        return self._step_sizes.bound_block_curvature(measured[ids].amax(0))
 
     def _block_gradient(
         self, b: int, args: tuple, kwargs: dict, seed: int

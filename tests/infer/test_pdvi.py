@@ -313,7 +313,7 @@ def test_auto_eta_refuses_a_group_the_objective_ignores():
         pdvi.step(problem.blocks[0])
 
 
-def test_auto_global_update_warms_up_with_the_paper_rule_then_averages():
+def test_auto_global_update_warms_up_with_the_paper_rule_then_weighs_the_blocks():
     problem = Hierarchical(num_data=20, num_blocks=4)
     pdvi = PDVI(
         problem.model,
@@ -329,7 +329,9 @@ def test_auto_global_update_warms_up_with_the_paper_rule_then_averages():
         pdvi.step(problem.blocks[b])
         rules.append(pdvi.diagnostics["global_update"])
     # 1.5 epochs of 4 blocks: the first 6 block visits use the paper rule.
-    assert rules == ["paper"] * 6 + ["consensus"] * 2
+    assert rules == ["paper"] * 6 + ["weighted"] * 2
+    # Every block was measured at its first visit, for the weighted rule's shares.
+    assert bool((pdvi.state.information.sum(1) > 0).all())
     assert pdvi.state_dict()["block_visits"] == 8
 
 
