@@ -395,6 +395,8 @@ class StepSizes:
         :returns: whether any coordinate's step size changed.
         """
         fisher = fisher.detach().to("cpu", torch.float64)
+        # A coordinate whose estimate is not finite keeps the value in use (none: uninformed).
+        fisher = torch.where(torch.isfinite(fisher), fisher, 0.0 if self.fisher is None else self.fisher)
         if self.fisher is None:
             self.fisher = fisher
             return True

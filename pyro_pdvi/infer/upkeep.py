@@ -104,13 +104,16 @@ class StepSizeUpkeep:
         seed = self._side_seed(-1)
         for b in new:
             gradient = self._block_gradient(b, args, kwargs, seed + b)
-            measured[b] = diagonal_curvature(gradient, self._state.consensus, probes)
+            # A probe that left the model's domain (a gradient that is not finite) measures
+            # nothing: such a coordinate counts as uninformed, never as a step size of NaN.
+            curvature = diagonal_curvature(gradient, self._state.consensus, probes)
+            measured[b] = torch.where(torch.isfinite(curvature), curvature, 0.0)
             self._bounded_blocks.add(b)
         # Each process measured its own new blocks: the sum over processes gives every row.
         measured = self._all_reduce(measured)
         ids = measured.sum(1).nonzero().reshape(-1)
         self._state.set_information(ids, measured[ids])
-        if not self._step_sizes.natural:
+        if not self._step_sizes.natural or not len(ids):
             return False
         return self._step_sizes.bound_block_curvature(measured[ids].amax(0))
 

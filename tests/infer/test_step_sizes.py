@@ -225,3 +225,39 @@ def test_tensor_eta_errors_name_the_group_and_the_fix():
     wrong = _quadratic_pdvi(problem, eta=0.05, groups=[{"sites": ["a"], "eta": eta_a[:-1], "name": "a"}])
     with pytest.raises(ValueError, match=r'group \'a\': its eta has shape .* site "a" has shape'):
         wrong.step(problem.blocks[0])
+
+
+def test_a_measurement_that_is_not_finite_leaves_every_step_size_finite(monkeypatch):
+    """A finite-difference probe or a Fisher draw that left the model's domain measures nothing
+    (found on the generic suite's GMM: a NaN block curvature became a NaN step size, which moved
+    lambda_0 to NaN outside any step): the coordinate counts as uninformed."""
+    import pyro_pdvi.infer.upkeep as upkeep
+    from pyro.infer import TraceMeanField_ELBO
+
+    from ..toy_models import Hierarchical
+
+    def half_nan(measure):
+        def measured(*args, **kwargs):
+            value = measure(*args, **kwargs).clone()
+            value[::2] = float("nan")
+            return value
+
+        return measured
+
+    monkeypatch.setattr(upkeep, "diagonal_curvature", half_nan(upkeep.diagonal_curvature))
+    monkeypatch.setattr(upkeep, "fisher_diagonal", half_nan(upkeep.fisher_diagonal))
+    problem = Hierarchical(num_data=20, num_blocks=4)
+    pdvi = PDVI(
+        problem.model,
+        problem.guide,
+        pyro.optim.Adam({}),
+        TraceMeanField_ELBO(num_particles=4, vectorize_particles=True),
+        blocks=problem.blocks,
+    )
+    for _ in range(3):
+        for b in range(4):
+            pdvi.step(problem.blocks[b])
+            assert bool(torch.isfinite(pdvi.state.step_sizes).all())
+            assert bool(torch.isfinite(pdvi.state.consensus).all())
+    assert bool(torch.isfinite(pdvi.state.information).all())
+    assert pdvi._step_sizes.fisher.isfinite().all() and (pdvi._step_sizes.fisher[::2] == 0).all()
