@@ -39,6 +39,9 @@ PDVI_CONFIGS: dict[str, dict] = {
     # The paper's global update for five epochs, the default before 13d (its runaway on the
     # GMM and PPCA), for a before/after inside one run.
     "warmup5": {"warmup_epochs": 5.0},
+    # No paper-rule warm-up: the weighted rule from the first step, its mean over the blocks
+    # visited so far (13e).
+    "warmup0": {"warmup_epochs": 0.0},
     # P2D-VI: one automatic step size per global site, by the curvature rule.
     "per_site": {"groups": "per_site", "eta": AutoStepSize(rule="curvature")},
     # The best hand setting on the logistic regression.

@@ -14,7 +14,9 @@ With ``H = diag(step_sizes)`` (``D = H^{-1}`` in the augmented Lagrangian):
     step's block copies, as in the paper;
   - ``"consensus"``: ``lambda_0 = mean_b(lambda_b) + h`` over every
     block's latest copy, the exact minimiser of the augmented Lagrangian in
-    ``lambda_0`` [1, Sec. 3.3]. With one block per step the paper's rule hands
+    ``lambda_0`` [1, Sec. 3.3] (in the first epoch, over the blocks visited so far: a block
+    not yet visited still holds the start, which no data informed). With one block per step
+    the paper's rule hands
     that block's Monte Carlo noise to ``lambda_0`` in full; averaging all
     copies divides it by about ``sqrt(n)``, but moves ``lambda_0`` only ``1/n``
     of a block's change per step (measured in docs/benchmarks.md);
@@ -53,6 +55,8 @@ class ConsensusUpdate(NamedTuple):
     duals: torch.Tensor
     dual_mean: torch.Tensor
     copy_mean: torch.Tensor
+    visited_sum: torch.Tensor
+    num_visited: torch.Tensor
     consensus: torch.Tensor
 
 
@@ -85,6 +89,12 @@ class ConsensusState:
         #: ``c_bj``, each block's diagonal curvature, ``(n, P)``: the weights of ``"weighted"``
         #: (zero until measured).
         self.information = torch.zeros_like(self.duals)
+        #: Which blocks have had a step, the sum of their copies and their number: the mean of
+        #: the consensus and weighted rules leaves out the copies of blocks not yet visited (the
+        #: start, which no data has informed); once every block was visited it is every block's.
+        self.visited = torch.zeros(num_blocks, dtype=torch.bool, device=consensus.device)
+        self.visited_sum = torch.zeros_like(self.consensus)
+        self.num_visited = self.consensus.new_zeros(())
 
     def set_information(self, block_ids: torch.Tensor, curvature: torch.Tensor) -> None:
         """Record ``c_bj``, the diagonal curvature of ``f_b`` in every coordinate, of some blocks.
@@ -124,12 +134,15 @@ class ConsensusState:
         block_ids = block_ids.to(self.duals.device)
         size = self.consensus.numel()
         duals = self.duals[block_ids] + (copies - self.consensus) / self.step_sizes
+        visited = self.visited[block_ids].to(copies.dtype)[:, None]
         sums = torch.cat(
             [
                 (duals - self.duals[block_ids]).sum(0),
                 (copies - self.copies[block_ids]).sum(0),
                 copies.sum(0),
                 self.information[block_ids].sum(0),
+                (copies - visited * self.copies[block_ids]).sum(0),
+                (1 - visited).sum().reshape(1),
                 copies.new_full((1,), len(block_ids)),
             ]
         )
@@ -138,15 +151,20 @@ class ConsensusState:
         dual_mean = self.dual_mean + sums[:size] / self.num_blocks
         copy_mean = self.copy_mean + sums[size : 2 * size] / self.num_blocks
         step_mean = sums[2 * size : 3 * size] / sums[-1]
+        visited_sum = self.visited_sum + sums[4 * size : 5 * size]
+        num_visited = self.num_visited + sums[5 * size]
+        visited_mean = visited_sum / num_visited
         if self.global_update == "paper":
             base = step_mean
         elif self.global_update == "consensus":
-            base = copy_mean
+            base = visited_mean
         else:
             share = self.information_share(sums[3 * size : 4 * size])
-            base = share * step_mean + (1 - share) * copy_mean
+            base = share * step_mean + (1 - share) * visited_mean
         consensus = base + self.step_sizes * dual_mean
-        return ConsensusUpdate(block_ids, copies, duals, dual_mean, copy_mean, consensus)
+        return ConsensusUpdate(
+            block_ids, copies, duals, dual_mean, copy_mean, visited_sum, num_visited, consensus
+        )
 
     def apply(self, update: ConsensusUpdate) -> None:
         """Apply a proposal from :meth:`propose`."""
@@ -154,6 +172,9 @@ class ConsensusState:
         self.copies[update.block_ids] = update.copies
         self.dual_mean = update.dual_mean
         self.copy_mean = update.copy_mean
+        self.visited[update.block_ids] = True
+        self.visited_sum = update.visited_sum
+        self.num_visited = update.num_visited
         self.consensus = update.consensus
 
     def set_step_sizes(self, step_sizes: torch.Tensor) -> None:
@@ -172,6 +193,9 @@ class ConsensusState:
             "dual_mean": self.dual_mean.clone(),
             "copy_mean": self.copy_mean.clone(),
             "information": self.information.clone(),
+            "visited": self.visited.clone(),
+            "visited_sum": self.visited_sum.clone(),
+            "num_visited": self.num_visited.clone(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -183,8 +207,11 @@ class ConsensusState:
         self.global_update = state["global_update"]
         for key in ("consensus", "step_sizes", "duals", "copies", "dual_mean", "copy_mean"):
             setattr(self, key, state[key].detach().clone().to(self.duals))
-        if "information" in state:  # absent from checkpoints before the weighted rule
-            self.information = state["information"].detach().clone().to(self.duals)
+        # Absent from checkpoints before the weighted rule: every block counts as visited.
+        self.information = state.get("information", torch.zeros_like(self.duals)).clone().to(self.duals)
+        self.visited = state.get("visited", torch.ones_like(self.visited)).clone().to(self.visited)
+        self.visited_sum = state.get("visited_sum", self.copies[self.visited].sum(0)).clone().to(self.duals)
+        self.num_visited = state.get("num_visited", self.visited.sum()).clone().to(self.duals)
 
 
 def find_non_finite(

@@ -27,7 +27,9 @@ def test_propose_changes_nothing_until_applied_and_keeps_invariants(rule):
         assert torch.allclose(state.dual_mean, state.duals.mean(0), atol=1e-12)
         assert torch.allclose(state.copy_mean, state.copies.mean(0), atol=1e-12)
         share = {"paper": 1.0, "consensus": 0.0, "weighted": 0.5}[rule]  # 2 of 4 blocks per step
-        gamma = share * copies.mean(0) + (1 - share) * state.copies.mean(0)
+        # The copies of blocks not yet visited (the start) are left out of the mean.
+        assert torch.allclose(state.visited_sum, state.copies[state.visited].sum(0), atol=1e-12)
+        gamma = share * copies.mean(0) + (1 - share) * state.copies[state.visited].mean(0)
         assert torch.allclose(state.consensus, gamma + step_sizes * state.duals.mean(0), atol=1e-12)
 
 
@@ -40,6 +42,8 @@ def test_weighted_rule_moves_each_coordinate_by_its_blocks_share_of_the_informat
     information[:, 1] = 2.0
     state.set_information(torch.arange(4), information)
     assert torch.equal(state.information_share(information[:1].sum(0)), torch.tensor([1.0, 0.25, 0.0]))
+    state.apply(state.propose(torch.arange(4), torch.zeros(4, 3)))  # every block visited, at 0
+    assert torch.equal(state.consensus, torch.zeros(3))
     copy = torch.tensor([[4.0, 4.0, 4.0]])
     state.apply(state.propose(torch.tensor([0]), copy))
     h = state.step_sizes * state.duals.mean(0)
@@ -57,7 +61,8 @@ def test_changing_step_sizes_moves_consensus_with_h():
     state = ConsensusState(torch.zeros(2), num_blocks=2, step_sizes=torch.ones(2))
     state.apply(state.propose(torch.tensor([0]), torch.tensor([[1.0, 2.0]])))
     state.set_step_sizes(torch.tensor([0.5, 2.0]))
-    assert torch.allclose(state.consensus, state.copies.mean(0) + state.step_sizes * state.duals.mean(0))
+    visited_mean = state.copies[state.visited].mean(0)
+    assert torch.allclose(state.consensus, visited_mean + state.step_sizes * state.duals.mean(0))
 
 
 def _random_intercepts(num_groups=8, group_size=6):
@@ -106,3 +111,14 @@ def test_weighted_rule_fits_random_effects_that_one_block_informs(global_update)
         assert error < 0.05
     else:
         assert error > 0.1
+
+
+def test_copies_of_blocks_not_yet_visited_are_left_out_of_the_mean():
+    """In the first epoch the consensus rule averages the copies of the visited blocks only (the
+    others are still the start): after the first step it is that block's copy plus h."""
+    state = ConsensusState(torch.zeros(2), num_blocks=4, step_sizes=torch.ones(2), global_update="consensus")
+    state.apply(state.propose(torch.tensor([2]), torch.tensor([[3.0, -1.0]])))
+    assert torch.allclose(state.consensus, torch.tensor([3.0, -1.0]) + state.h)
+    state.apply(state.propose(torch.tensor([0]), torch.tensor([[1.0, 1.0]])))
+    assert torch.allclose(state.consensus, torch.tensor([2.0, 0.0]) + state.h)
+    assert state.visited.tolist() == [True, False, True, False] and float(state.num_visited) == 2

@@ -4,12 +4,16 @@ re-measured during the run (``AutoStepSize.remeasure_epochs``), against exact va
 import pyro
 import pytest
 import torch
+from pyro.infer import TraceMeanField_ELBO
 from torch.distributions import constraints
 
+import pyro_pdvi.infer.upkeep as upkeep
 from pyro_pdvi import PDVI, AutoStepSize, GenericSolver
 from pyro_pdvi.infer.sites import GlobalLayout, GlobalSite
 from pyro_pdvi.infer.step_sizes import coordinate_groups, estimate_curvatures, resolve_groups
 from pyro_pdvi.models.quadratic import Quadratic
+
+from ..toy_models import Hierarchical
 
 NAMES = ["AutoNormal.locs.w", "AutoNormal.scales.w", "bias"]
 
@@ -231,10 +235,6 @@ def test_a_measurement_that_is_not_finite_leaves_every_step_size_finite(monkeypa
     """A finite-difference probe or a Fisher draw that left the model's domain measures nothing
     (found on the generic suite's GMM: a NaN block curvature became a NaN step size, which moved
     lambda_0 to NaN outside any step): the coordinate counts as uninformed."""
-    import pyro_pdvi.infer.upkeep as upkeep
-    from pyro.infer import TraceMeanField_ELBO
-
-    from ..toy_models import Hierarchical
 
     def half_nan(measure):
         def measured(*args, **kwargs):
