@@ -16,18 +16,20 @@ With ``H = diag(step_sizes)`` (``D = H^{-1}`` in the augmented Lagrangian):
     block's latest copy, the exact minimiser of the augmented Lagrangian in
     ``lambda_0`` [1, Sec. 3.3] (in the first epoch, over the blocks visited so far: a block
     not yet visited still holds the start, which no data informed). With one block per step
-    the paper's rule hands
-    that block's Monte Carlo noise to ``lambda_0`` in full; averaging all
-    copies divides it by about ``sqrt(n)``, but moves ``lambda_0`` only ``1/n``
-    of a block's change per step (measured in docs/benchmarks.md);
+    the paper's rule hands that block's Monte Carlo noise to ``lambda_0`` in full; averaging
+    all copies divides it by about ``sqrt(n)``, but moves ``lambda_0`` only ``1/n`` of a
+    block's change per step (measured in docs/benchmarks.md);
   - ``"weighted"``: per coordinate ``j``, ``lambda_0j = w_j gamma_j + (1 - w_j)
-    mean_b(lambda_bj) + h_j`` with ``w_j`` the step's blocks' share of the information
-    about coordinate ``j``: ``w_j = sum_{b in S} c_bj / sum_b c_bj`` for ``c_bj`` the
-    diagonal curvature of ``f_b`` (:meth:`ConsensusState.set_information`, measured once
-    per block). A coordinate that only the step's block informs (a random effect of one
-    group) moves with that block, as under the paper's rule; one that every block informs
-    alike (``w_j = 1/n``) is averaged over the blocks, as under the consensus rule; a
-    coordinate no block is measured to inform takes the consensus rule.
+    mean_b(lambda_bj) + h_j``, by how much the step's blocks inform coordinate ``j``
+    (``c_bj``, the diagonal curvature of ``f_b``, measured once per block:
+    :meth:`ConsensusState.set_information`). Where they hold at least
+    :data:`INFORMED_FRACTION` of an average block's information, ``w_j = 1``: the paper's rule,
+    which follows the data block by block. Where they barely inform it, ``w_j`` is their
+    share ``sum_{b in S} c_bj / sum_b c_bj``, so their copy (which their solve hardly moved,
+    and which the paper's rule would hand over with a stale dual at every step: the runaway of
+    ``docs/benchmarks.md`` 13d) counts for little, and the coordinate is averaged over the
+    blocks, as under the consensus rule. A coordinate no block is measured to inform takes the
+    consensus rule.
 
   :class:`~pyro_pdvi.PDVI` may switch the rule between steps (its
   ``global_update="auto"``); the state is the same for all.
@@ -45,6 +47,11 @@ import torch
 from .sites import GlobalLayout
 
 GLOBAL_UPDATES = ("consensus", "paper", "weighted")
+
+#: The weighted rule hands a block's copy to ``lambda_0`` in a coordinate (the paper's rule) where
+#: the block holds at least this fraction of an average block's information about it
+#: (``docs/benchmarks.md`` 13e).
+INFORMED_FRACTION = 0.5
 
 
 class ConsensusUpdate(NamedTuple):
@@ -104,11 +111,20 @@ class ConsensusState:
         """
         self.information[block_ids.to(self.duals.device)] = curvature.to(self.information)
 
-    def information_share(self, step_information: torch.Tensor) -> torch.Tensor:
-        """``w_j`` of the weighted rule, from the step's ``sum_{b in S} c_bj`` (shape ``(P,)``);
-        0 where no block is measured to inform coordinate ``j``."""
+    def information_share(self, step_information: torch.Tensor, num_step_blocks: torch.Tensor) -> torch.Tensor:
+        """``w_j`` of the weighted rule (module docstring): 1 where the step's blocks hold at least
+        :data:`INFORMED_FRACTION` of an average measured block's information about coordinate
+        ``j`` (each), else their share ``sum_{b in S} c_bj / sum_b c_bj`` (0 where no block is
+        measured to inform it).
+
+        :param step_information: ``sum_{b in S} c_bj``, shape ``(P,)``.
+        :param num_step_blocks: ``|S|``.
+        """
         total = self.information.sum(0)
-        return torch.where(total > 0, step_information / total, 0.0).clamp(0.0, 1.0)
+        share = torch.where(total > 0, step_information / total, 0.0).clamp(0.0, 1.0)
+        num_measured = (self.information.sum(1) > 0).sum()
+        informed = share * num_measured >= INFORMED_FRACTION * num_step_blocks
+        return torch.where(informed & (total > 0), 1.0, share)
 
     @property
     def h(self) -> torch.Tensor:
@@ -159,7 +175,7 @@ class ConsensusState:
         elif self.global_update == "consensus":
             base = visited_mean
         else:
-            share = self.information_share(sums[3 * size : 4 * size])
+            share = self.information_share(sums[3 * size : 4 * size], sums[-1])
             base = share * step_mean + (1 - share) * visited_mean
         consensus = base + self.step_sizes * dual_mean
         return ConsensusUpdate(
