@@ -111,7 +111,9 @@ class ConsensusState:
         """
         self.information[block_ids.to(self.duals.device)] = curvature.to(self.information)
 
-    def information_share(self, step_information: torch.Tensor, num_step_blocks: torch.Tensor) -> torch.Tensor:
+    def information_share(
+        self, step_information: torch.Tensor, num_step_blocks: torch.Tensor
+    ) -> torch.Tensor:
         """``w_j`` of the weighted rule (module docstring): 1 where the step's blocks hold at least
         :data:`INFORMED_FRACTION` of an average measured block's information about coordinate
         ``j`` (each), else their share ``sum_{b in S} c_bj / sum_b c_bj`` (0 where no block is

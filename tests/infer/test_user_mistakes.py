@@ -238,7 +238,9 @@ def test_a_guide_with_pyro_module_parameters_reaches_the_exact_posterior():
     pdvi = make(problem.model, guide, loss=particles(32), groups=groups, solver=GenericSolver(inner_steps=20))
     mean, sd = problem.posterior()
     scales = []
-    for _ in range(30):
+    # 40 epochs: the default global update takes the paper's rule here (every block informs mu
+    # alike), whose error after 30 epochs is 1.4e-6 (the consensus rule's 1.7e-7), after 40 1e-8.
+    for _ in range(40):
         for block in torch.arange(N).chunk(4):
             pdvi.step(block)
         scales.append(float(net.log_scale.detach().exp()))
