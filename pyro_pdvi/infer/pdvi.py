@@ -107,9 +107,10 @@ class PDVI(StepSizeUpkeep):
         point for all): ``"paper"`` (the mean of this step's copies, as in [1]), ``"consensus"``
         (the mean of every block's latest copy, which averages the solves' Monte Carlo noise
         over the blocks), ``"weighted"`` (per coordinate, by how much the step's blocks inform
-        it, measured once per block: the paper's rule where they hold at least half an average
-        block's information, else their copy weighed by their share, so that a coordinate they
-        barely inform is averaged over the blocks) or ``"auto"`` (default): the paper's rule for a
+        it, measured once per block: the paper's rule where they hold at least a fifth of an
+        average block's information, else their copy weighed by their share, so that a
+        coordinate they barely inform is averaged over the blocks) or ``"auto"`` (default): the
+        paper's rule for a
         deterministic solve (a solver other than :class:`~pyro_pdvi.infer.solvers.GenericSolver`,
         or a guide without Monte Carlo sites), else the paper's rule for ``warmup_epochs``
         epochs and the weighted rule after (``docs/benchmarks.md``, sections 1, 2 and 13e).
