@@ -95,12 +95,10 @@ def _random_intercepts(num_groups=8, group_size=6):
     return model, blocks, mean
 
 
-@pytest.mark.parametrize("global_update", ["weighted", "consensus"])
-def test_weighted_rule_fits_random_effects_that_one_block_informs(global_update):
-    """After 30 epochs (float64, the user's one-particle ELBO) the weighted rule is within 0.01
-    of the exact posterior means (measured 0.0034); the consensus rule, which moves a group's
-    effect 1/n of its block's change per step, is still over 0.05 off (0.11)."""
+def _random_intercept_error(global_update):
+    """Max error of the posterior means after 30 epochs (float64, Pyro's one-particle ELBO)."""
     model, blocks, mean = _random_intercepts()
+    pyro.clear_param_store()
     pyro.set_rng_seed(0)
     guide = AutoNormal(model)
     pdvi = PDVI(
@@ -111,8 +109,17 @@ def test_weighted_rule_fits_random_effects_that_one_block_informs(global_update)
         for b in torch.randperm(len(blocks), generator=order).tolist():
             pdvi.step(blocks[b])
     fitted = torch.cat([pyro.param("AutoNormal.locs.alpha").reshape(1), pyro.param("AutoNormal.locs.a")])
-    error = float((fitted.detach() - mean).abs().max())
-    assert error < 0.01 if global_update == "weighted" else error > 0.05
+    return float((fitted.detach() - mean).abs().max())
+
+
+def test_weighted_rule_fits_random_effects_that_one_block_informs():
+    """After 30 epochs the weighted rule is within 0.02 of the exact posterior means (measured
+    0.0089) and at least 5x closer than the consensus rule (0.11), which moves a group's effect
+    1/n of its block's change per step."""
+    weighted = _random_intercept_error("weighted")
+    consensus = _random_intercept_error("consensus")
+    assert weighted < 0.02
+    assert weighted * 5 < consensus
 
 
 def test_copies_of_blocks_not_yet_visited_are_left_out_of_the_mean():
