@@ -110,10 +110,10 @@ class PDVI(StepSizeUpkeep):
         it, measured once per block: the paper's rule where they hold at least a fifth of an
         average block's information, else their copy weighed by their share, so that a
         coordinate they barely inform is averaged over the blocks) or ``"auto"`` (default): the
-        paper's rule for a
-        deterministic solve (a solver other than :class:`~pyro_pdvi.infer.solvers.GenericSolver`,
-        or a guide without Monte Carlo sites), else the paper's rule for ``warmup_epochs``
-        epochs and the weighted rule after (``docs/benchmarks.md``, sections 1, 2 and 13e).
+        paper's rule for a deterministic solve (a solver other than
+        :class:`~pyro_pdvi.infer.solvers.GenericSolver`, or a guide without Monte Carlo sites),
+        else the paper's rule for ``warmup_epochs`` epochs and the weighted rule after
+        (``docs/benchmarks.md``, sections 1, 2 and 13e).
     :param warmup_epochs: epochs (block visits / n) of the paper's rule before ``"auto"``
         switches to the weighted rule for a Monte Carlo solve. The default is one: under the
         paper's rule a dual that an inexact solve left in a coordinate its blocks barely
@@ -203,7 +203,9 @@ class PDVI(StepSizeUpkeep):
         self.num_steps = 0
         self.diagnostics: dict[str, Any] = {}
         self._block_visits = 0
-        self._bounded_blocks: set[int] = set()
+        # Blocks whose diagonal curvature was measured (at their first visit; the state_dict
+        # key is still "bounded_blocks", as in checkpoints before the weighted rule).
+        self._measured_blocks: set[int] = set()
         self._guard = RisingObjectiveGuard()
         self._stationarity = StationarityTest()
         self._state: ConsensusState | None = None
@@ -636,7 +638,7 @@ class PDVI(StepSizeUpkeep):
             "step_sizes": self._step_sizes.state_dict(),
             "consensus_state": self._state.state_dict(),
             "rng_state": self._rng.get_state(),
-            "bounded_blocks": sorted(self._bounded_blocks),
+            "bounded_blocks": sorted(self._measured_blocks),
             "guard": self._guard.state_dict(),
             "stationarity": self._stationarity.state_dict(),
         }
@@ -658,7 +660,7 @@ class PDVI(StepSizeUpkeep):
                 f"{self.partition.num_data}"
             )
         self._step_sizes.load_state_dict(state["step_sizes"])
-        self._bounded_blocks = set(state["bounded_blocks"])
+        self._measured_blocks = set(state["bounded_blocks"])
         self._guard.load_state_dict(state["guard"])
         if "stationarity" in state:  # absent from checkpoints before the stationarity test
             self._stationarity.load_state_dict(state["stationarity"])

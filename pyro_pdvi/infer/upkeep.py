@@ -93,7 +93,7 @@ class StepSizeUpkeep:
 
         :returns: whether a bound of the natural rule grew.
         """
-        new = [b for b in block_ids.tolist() if b not in self._bounded_blocks]
+        new = [b for b in block_ids.tolist() if b not in self._measured_blocks]
         if self._shares_steps:
             if not float(self._all_reduce(torch.tensor([float(len(new))], dtype=torch.float64))):
                 return False
@@ -108,7 +108,7 @@ class StepSizeUpkeep:
             # nothing: such a coordinate counts as uninformed, never as a step size of NaN.
             curvature = diagonal_curvature(gradient, self._state.consensus, probes)
             measured[b] = torch.where(torch.isfinite(curvature), curvature, 0.0)
-            self._bounded_blocks.add(b)
+            self._measured_blocks.add(b)
         # Each process measured its own new blocks: the sum over processes gives every row.
         measured = self._all_reduce(measured)
         ids = measured.sum(1).nonzero().reshape(-1)
