@@ -97,6 +97,8 @@ class ConsensusState:
         #: ``c_bj``, each block's diagonal curvature, ``(n, P)``: the weights of ``"weighted"``
         #: (zero until measured).
         self.information = torch.zeros_like(self.duals)
+        self.information_total = torch.zeros_like(self.consensus)
+        self.num_measured = torch.zeros((), dtype=torch.long, device=consensus.device)
         #: Which blocks have had a step, the sum of their copies and their number: the mean of
         #: the consensus and weighted rules leaves out the copies of blocks not yet visited (the
         #: start, which no data has informed); once every block was visited it is every block's.
@@ -111,6 +113,9 @@ class ConsensusState:
         :param curvature: their diagonal curvatures, non-negative, shape ``(m, P)``.
         """
         self.information[block_ids.to(self.duals.device)] = curvature.to(self.information)
+        # Kept, not summed at every step: (n, P) can be large.
+        self.information_total = self.information.sum(0)
+        self.num_measured = (self.information.sum(1) > 0).sum()
 
     def information_share(
         self, step_information: torch.Tensor, num_step_blocks: torch.Tensor
@@ -123,10 +128,9 @@ class ConsensusState:
         :param step_information: ``sum_{b in S} c_bj``, shape ``(P,)``.
         :param num_step_blocks: ``|S|``.
         """
-        total = self.information.sum(0)
+        total = self.information_total
         share = torch.where(total > 0, step_information / total, 0.0).clamp(0.0, 1.0)
-        num_measured = (self.information.sum(1) > 0).sum()
-        informed = share * num_measured >= INFORMED_FRACTION * num_step_blocks
+        informed = share * self.num_measured >= INFORMED_FRACTION * num_step_blocks
         return torch.where(informed & (total > 0), 1.0, share)
 
     @property
@@ -227,7 +231,8 @@ class ConsensusState:
         for key in ("consensus", "step_sizes", "duals", "copies", "dual_mean", "copy_mean"):
             setattr(self, key, state[key].detach().clone().to(self.duals))
         # Absent from checkpoints before the weighted rule: every block counts as visited.
-        self.information = state.get("information", torch.zeros_like(self.duals)).clone().to(self.duals)
+        information = state.get("information", torch.zeros_like(self.duals)).to(self.duals)
+        self.set_information(torch.arange(len(information)), information)
         self.visited = state.get("visited", torch.ones_like(self.visited)).clone().to(self.visited)
         self.visited_sum = state.get("visited_sum", self.copies[self.visited].sum(0)).clone().to(self.duals)
         self.num_visited = state.get("num_visited", self.visited.sum()).clone().to(self.duals)
