@@ -131,7 +131,7 @@ class ConsensusState:
         total = self.information_total
         share = torch.where(total > 0, step_information / total, 0.0).clamp(0.0, 1.0)
         informed = share * self.num_measured >= INFORMED_FRACTION * num_step_blocks
-        return torch.where(informed & (total > 0), 1.0, share)
+        return torch.where(informed, 1.0, share)
 
     @property
     def h(self) -> torch.Tensor:
