@@ -42,6 +42,8 @@ PDVI_CONFIGS: dict[str, dict] = {
     # No paper-rule warm-up: the weighted rule from the first step, its mean over the blocks
     # visited so far (13e).
     "warmup0": {"warmup_epochs": 0.0},
+    # The L-BFGS solve without the trust box of the default short solve (13f), for a before/after.
+    "no_trust": {"solver": GenericSolver(trust=None)},
     # P2D-VI: one automatic step size per global site, by the curvature rule.
     "per_site": {"groups": "per_site", "eta": AutoStepSize(rule="curvature")},
     # The best hand setting on the logistic regression.

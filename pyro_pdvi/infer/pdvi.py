@@ -45,6 +45,10 @@ from .stationarity import StationarityTest
 from .step_sizes import AutoStepSize, StepSizes, check_eta, resolve_groups
 from .upkeep import StepSizeUpkeep
 
+#: A step refused for a non-finite value is solved again (fresh noise) up to this many times,
+#: every step size halved before each try; if all fail it raises, the state as before the step.
+REFUSED_STEP_RETRIES = 3
+
 
 class StepSolution(NamedTuple):
     """The primal solutions of one step's blocks, before the dual and global update.
@@ -321,8 +325,9 @@ class PDVI(StepSizeUpkeep):
         :returns: the loss of the step's subsample at the new block solutions, scaled to
             the full data as ``SVI.step``'s is.
         :rtype: float
-        :raises NonFiniteStepError: if the loss or the update is not finite; then no
-            param, dual or copy has changed.
+        :raises NonFiniteStepError: if the loss or the update is not finite, also after
+            :data:`REFUSED_STEP_RETRIES` tries with halved step sizes; then no param, dual,
+            copy or step size has changed.
         """
         if self._state is None:
             self._setup(args, kwargs)
@@ -332,10 +337,50 @@ class PDVI(StepSizeUpkeep):
         """The algorithm's loop for the step's blocks: solve, move duals and consensus, write;
         then adapt the step sizes for the next steps."""
         epoch = self._block_visits // len(self.partition)
-        solved = self._solve_everywhere(block_ids, args, kwargs)
-        loss = self._commit(solved)
+        before = None
+        for retry in range(REFUSED_STEP_RETRIES + 1):
+            solved = self._solve_everywhere(block_ids, args, kwargs)
+            try:
+                loss = self._commit(solved)
+                break
+            except NonFiniteStepError as error:
+                if before is None:  # nothing has changed yet
+                    before = (self._state.consensus, self._state.step_sizes, self._guard.damping)
+                if retry == REFUSED_STEP_RETRIES:
+                    self._restore_step_sizes(*before)
+                    raise NonFiniteStepError(
+                        f"{error} (The step was tried {retry + 1} times, every step size halved "
+                        "before each retry, and the step sizes are back as they were.)"
+                    ) from None
+                self._halve_after_refusal(error)
         self._adapt_step_sizes(block_ids, epoch, args, kwargs)
         return loss
+
+    def _halve_after_refusal(self, error: NonFiniteStepError) -> None:
+        """Halve every step size for the retry of a refused step (``lambda_0`` moves with
+        ``h = H mean(mu)``, as for any change of ``H``; the fixed point is kept).
+
+        A block whose solve leaves the model's domain with the step sizes in use may solve
+        with smaller ones (the restart the error message advises, without losing the run);
+        the halving stays for the rest of the run, as the
+        :mod:`~pyro_pdvi.infer.safeguard`'s does. It cannot repair a coordinate of
+        ``lambda_0`` that has already collapsed (``docs/benchmarks.md``, section 13f)."""
+        self._step_sizes.damping = self._guard.halve()
+        self._apply_step_sizes()
+        self.diagnostics["damping"] = self._guard.damping
+        warnings.warn(
+            f"{str(error).split(';')[0]}; the step was refused and is solved again with every step "
+            f"size halved, now {self._guard.damping:g} of its rule's (diagnostics['damping'])",
+            stacklevel=4,
+        )
+
+    def _restore_step_sizes(self, consensus: torch.Tensor, step_sizes: torch.Tensor, damping: float) -> None:
+        """Put back ``lambda_0``, ``H`` and the damping as they were before a refused step."""
+        self._state.consensus, self._state.step_sizes = consensus, step_sizes
+        self._step_sizes.damping = self._guard.damping = damping
+        self._params.write_consensus(consensus)
+        self.diagnostics["damping"] = damping
+        self.diagnostics["step_sizes"] = self.step_sizes
 
     def _solve_everywhere(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> StepSolution:
         """Solve the step's blocks (:class:`~pyro_pdvi.distributed.DistributedPDVI` also tells

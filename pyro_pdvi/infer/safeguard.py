@@ -103,9 +103,18 @@ class RisingObjectiveGuard:
         self.rises = self.rises + 1 if rose and not converging else 0
         if self.rises < RISES:
             return False
+        self.halve()
+        return True
+
+    def halve(self) -> float:
+        """Halve the damping (after two rises in a row, or a refused step) and start counting
+        rises again.
+
+        :returns: the new damping.
+        """
         self.rises = 0
         self.damping *= 0.5
-        return True
+        return self.damping
 
     def noise_sd(self) -> float:
         """The standard deviation of an epoch-to-epoch change that noise alone makes.

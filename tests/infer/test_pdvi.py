@@ -1,6 +1,7 @@
 """PDVI through Pyro's own machinery: drop-in use, exact optima, checkpoints, errors."""
 
 import copy
+import math
 
 import pyro
 import pyro.distributions as dist
@@ -10,6 +11,7 @@ from pyro.infer import SVI, Trace_ELBO, TraceGraph_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDelta
 
 from pyro_pdvi import PDVI, AutoStepSize, GenericSolver, NonFiniteStepError
+from pyro_pdvi.infer.pdvi import REFUSED_STEP_RETRIES
 
 from ..toy_models import Hierarchical
 
@@ -191,11 +193,14 @@ def test_non_finite_step_is_refused_and_changes_nothing():
     pdvi.step(problem.blocks[0])
     before_state = copy.deepcopy(pdvi.state_dict())
     before_store = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
-    with pytest.raises(NonFiniteStepError, match="block 2 produced a non-finite") as error:
-        pdvi.step(problem.blocks[2])
+    with pytest.warns(UserWarning, match="solved again with every step size halved, now 0.125"):
+        with pytest.raises(NonFiniteStepError, match="block 2 produced a non-finite") as error:
+            pdvi.step(problem.blocks[2])
     assert f"eta=AutoStepSize(scale={pdvi.auto_step_size.scale / 2:g})" in str(error.value)
+    assert f"tried {REFUSED_STEP_RETRIES + 1} times" in str(error.value)
     after_state = pdvi.state_dict()
     assert after_state["num_steps"] == before_state["num_steps"]
+    assert after_state["step_sizes"]["damping"] == after_state["guard"]["damping"] == 1.0
     for key, value in before_state["consensus_state"].items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(after_state["consensus_state"][key], value), key
@@ -203,6 +208,33 @@ def test_non_finite_step_is_refused_and_changes_nothing():
         assert torch.equal(value.detach(), before_store[name]), name
     pdvi.step(problem.blocks[1])  # other blocks still step
     assert pdvi.num_steps == 2
+
+
+def test_refused_step_is_solved_again_with_halved_step_sizes():
+    """A block that fails once (a step size too large there, say) costs a retry at half the step
+    sizes, not the run: the step is taken, the halving stays and is reported."""
+    problem = Hierarchical(num_data=20, num_blocks=4)
+    elbo = TraceMeanField_ELBO(num_particles=8, vectorize_particles=True)
+
+    def loss(model, guide, idx):
+        # Block 2 fails until the step sizes are at most 0.3 of their rule's.
+        value = elbo.differentiable_loss(model, guide, idx)
+        too_large = pdvi.diagnostics.get("damping", 1.0) > 0.3
+        return value * float("nan") if bool((idx == problem.blocks[2][0]).any()) and too_large else value
+
+    pdvi = PDVI(problem.model, problem.guide, pyro.optim.Adam({"lr": 0.05}), loss, blocks=problem.blocks)
+    pdvi.step(problem.blocks[0])
+    etas = pdvi.step_sizes
+    with pytest.warns(UserWarning, match="block 2 produced a non-finite loss") as caught:
+        loss_value = pdvi.step(problem.blocks[2])
+    halvings = [str(w.message) for w in caught if "solved again" in str(w.message)]
+    assert [m.split("now ")[1].split(" of")[0] for m in halvings] == ["0.5", "0.25"]
+    assert math.isfinite(loss_value) and pdvi.num_steps == 2
+    assert pdvi.diagnostics["damping"] == 0.25
+    assert pdvi.state_dict()["step_sizes"]["damping"] == 0.25
+    for group, eta in pdvi.step_sizes.items():
+        assert eta == pytest.approx(etas[group] / 4, rel=1e-6), group
+    assert torch.isfinite(pdvi.state.consensus).all()
 
 
 def _pdvi(problem, **kwargs):

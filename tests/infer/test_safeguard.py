@@ -10,7 +10,7 @@ import torch
 from pyro.infer import Trace_ELBO, TraceEnum_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_pdvi import PDVI
+from pyro_pdvi import PDVI, GenericSolver
 from pyro_pdvi.infer.safeguard import RisingObjectiveGuard
 from pyro_pdvi.models.gmm import GMMBlockSolver, GMMModel, make_biased_gmm, negative_elbo, optimal_logits
 
@@ -132,6 +132,9 @@ def test_monte_carlo_noise_of_a_convex_fit_is_not_damped():
             blocks=blocks,
             step_decay=False,
             global_update="paper",
+            # The solve this noise was measured with (13e): the trust box of the default
+            # solve (13f) leaves fewer rises to damp.
+            solver=GenericSolver(trust=None),
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

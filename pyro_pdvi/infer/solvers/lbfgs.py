@@ -19,7 +19,8 @@ at every block's current trial step ``x_b + t_b d_b``, and decides per block wit
 ``torch.where``:
 
 * accept where the step is finite and satisfies Armijo's condition
-  ``f_new <= f + c1 t_b <g_b, d_b>`` [2, eq. 3.4], or where ``f_new`` did not rise
+  ``f_new <= f + c1 <g_b, x_new - x_b>`` (``x_new - x_b = t_b d_b`` unless a box clips
+  it) [2, eq. 3.4], or where ``f_new`` did not rise
   beyond the rounding of ``f`` and the gradient norm fell: an Armijo test on function
   values cannot resolve steps once ``f - f*`` is below the rounding of ``f``
   (``~ eps |f|``), which would cap the solve at ``|grad| ~ sqrt(eps)``; then store the
@@ -141,6 +142,7 @@ def batched_lbfgs(
     tolerance_grad: float = 1e-11,
     max_backtracks: int = 30,
     check_every: int | None = None,
+    box: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> BatchedLBFGSResult:
     """Minimise ``m`` separable objectives at once, one L-BFGS per block (module docstring).
 
@@ -158,6 +160,9 @@ def batched_lbfgs(
     :param check_every: if set, stop early, once every ``check_every`` iterations, when no
         block is running (one host synchronisation per check; the result is the same).
         ``None`` (default): never read a value on the host.
+    :param box: ``box(g0) -> w``, half-widths ``(m, p)`` (``inf``: unbounded) of a box
+        ``|x - x0| <= w`` around the start, from the gradient there: every trial point is
+        clipped into it, and Armijo's test uses the clipped step.
     :returns: the :class:`BatchedLBFGSResult`.
     """
     if x0.dim() != 2:
@@ -195,6 +200,9 @@ def batched_lbfgs(
     rejections = torch.zeros(m, dtype=torch.long, device=device)
     accepted_steps = torch.zeros(m, dtype=torch.long, device=device)
     stopped = ~(torch.isfinite(value) & torch.isfinite(grad).all(1))
+    if box is not None:
+        width = box(grad)
+        lower, upper = x - width, x + width
     roundoff = 16 * torch.finfo(dtype).eps
 
     def running() -> torch.Tensor:
@@ -205,15 +213,15 @@ def batched_lbfgs(
         direction = _two_loop_direction(
             grad, steps, grad_changes, curvatures, head, count, min(iteration, history_size)
         )
-        slope = (grad * direction).sum(1)
         # Not a descent direction: restart that block from scaled steepest descent.
-        restart = ~(slope < 0)
+        restart = ~((grad * direction).sum(1) < 0)
         count = torch.where(restart, 0, count)
         steepest = -grad / grad.abs().sum(1).clamp(min=1.0)[:, None]
         direction = torch.where(restart[:, None], steepest, direction)
-        slope = torch.where(restart, (grad * steepest).sum(1), slope)
 
         trial = torch.where(active[:, None], x + step_length[:, None] * direction, x)
+        if box is not None:
+            trial = torch.minimum(torch.maximum(trial, lower), upper)
         try:
             trial_value, trial_grad = evaluate(trial)
         except ValueError:
@@ -222,7 +230,8 @@ def batched_lbfgs(
         evaluations += 1
 
         finite = torch.isfinite(trial_value) & torch.isfinite(trial_grad).all(1)
-        armijo = trial_value <= value + ARMIJO * step_length * slope
+        # A clipped step may not be a descent step: then it must not rise at all.
+        armijo = trial_value <= value + ARMIJO * (grad * (trial - x)).sum(1).clamp(max=0)
         rounding = (trial_value <= value + roundoff * (1 + value.abs())) & (
             trial_grad.norm(dim=1) < grad.norm(dim=1)
         )

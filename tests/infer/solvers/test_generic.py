@@ -9,6 +9,7 @@ from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoDelta
 
 from pyro_pdvi import PDVI, GenericSolver, VectorizationError
+from pyro_pdvi.infer.problem import BlockProblem
 from pyro_pdvi.models.quadratic import Quadratic
 
 from ...toy_models import LinearGaussian
@@ -172,6 +173,10 @@ def test_unequal_blocks_are_solved_as_problems_of_equal_sizes(batch_sizes):
         ({"vectorize": "yes"}, "Invalid vectorize"),
         ({"method": "adam"}, "Invalid method"),
         ({"inner_steps": 0}, "Invalid inner_steps"),
+        ({"trust": 0.0}, "Invalid trust"),
+        ({"trust": -1.0}, "Invalid trust"),
+        ({"trust": True}, "Invalid trust"),
+        ({"trust": "on"}, "Invalid trust"),
     ],
 )
 def test_generic_solver_argument_errors(kwargs, match):
@@ -191,3 +196,64 @@ def test_lbfgs_vectorized_step_equals_the_loop_at_exact_block_optima():
     for got, expected in zip(vectorized[1:3], loop[1:3]):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-11)
     torch.testing.assert_close(vectorized[3].state.duals, loop[3].state.duals, rtol=0, atol=1e-11)
+
+
+def test_auto_trust_boxes_inexact_solves_only():
+    assert GenericSolver().trust == 2.0
+    assert GenericSolver(inner_steps=5).trust == 2.0
+    assert GenericSolver(inner_steps=6).trust is None
+    assert GenericSolver(inner_steps=60, trust=0.5).trust == 0.5
+
+
+def test_trust_box_keeps_the_exact_solve_of_a_convex_separable_block():
+    """In whitened coordinates an exact solve of a convex objective that is separable in the
+    globals moves each coordinate at most ``|g_j|`` (the gradient at the start): curvatures
+    of f_b from 1e-3 to 1e3 of the penalty's, the box of ``trust=1`` never binds at the
+    optimum, which the solver reaches as without a box."""
+    dtype = torch.float64
+    curvature = torch.tensor([1e-3, 0.1, 1.0, 10.0, 100.0, 1000.0], dtype=dtype)
+    target = torch.linspace(-2.0, 3.0, 6, dtype=dtype)
+    eta = torch.full((6,), 0.5, dtype=dtype)
+    consensus = torch.linspace(1.0, -1.0, 6, dtype=dtype)
+    dual = torch.linspace(-0.3, 0.2, 6, dtype=dtype)[None]
+    exact = (curvature * target - dual[0] + consensus / eta) / (curvature + 1 / eta)
+    problem = BlockProblem(
+        blocks=torch.tensor([0]),
+        indices=torch.zeros(1, 1, dtype=torch.long),
+        consensus={"w": consensus},
+        dual={"w": dual},
+        step_sizes={"w": eta},
+        local={},
+        num_blocks=1,
+        num_data=1,
+        losses=lambda copies, rows, vectorize=False: (
+            0.5 * (curvature * (copies["w"] - target).square()).sum(1)
+        ),
+    )
+    for trust in (1.0, None):
+        solution = GenericSolver(inner_steps=300, trust=trust).solve(problem)
+        assert torch.allclose(solution.globals["w"][0], exact, rtol=0, atol=1e-10), trust
+
+
+def test_trust_box_bounds_every_global_move_of_a_solve():
+    """On the linear-Gaussian blocks (a MAP through Pyro), each global coordinate of a 20-step
+    solve moves at most ``trust * |g_j| + 1e-3`` in whitened units, ``g`` the augmented
+    Lagrangian's whitened gradient at the start; without the box some move further."""
+    problem_data = LinearGaussian()
+    *_, pdvi = run_linear_gaussian(problem_data, [(0,)], eta=10.0)
+    ids = torch.tensor([1])
+    problem = pdvi._problem(ids, pdvi._block_seeds(ids), (problem_data.blocks[1],), {})
+    whitened = {k: torch.zeros_like(v).requires_grad_() for k, v in problem.dual.items()}
+    copies = problem.whitened_copies(whitened)
+    rows = {k: v.detach() for k, v in problem.local.items()}
+    value = (problem.losses(copies, rows) + problem.penalty(copies)).sum()
+    start_grads = dict(zip(whitened, torch.autograd.grad(value, list(whitened.values()))))
+    moves = {}
+    for trust in (0.001, None):
+        solution = GenericSolver(inner_steps=20, trust=trust).solve(problem)
+        moves[trust] = {
+            k: (solution.globals[k] - problem.consensus[k]) / problem.step_sizes[k].sqrt() for k in whitened
+        }
+    for k, grad in start_grads.items():
+        assert (moves[0.001][k].abs() <= 0.001 * grad.abs() + 1e-3 + 1e-9).all(), k
+    assert any((moves[None][k].abs() > 0.001 * g.abs() + 1e-3).any() for k, g in start_grads.items())
