@@ -211,8 +211,8 @@ def test_non_finite_step_is_refused_and_changes_nothing():
 
 
 def test_refused_step_is_solved_again_with_halved_step_sizes():
-    """A block that fails once (a step size too large there, say) costs a retry at half the step
-    sizes, not the run: the step is taken, the halving stays and is reported."""
+    """A block that fails while the step sizes are too large for it costs retries at halved
+    step sizes, not the run: the step is taken at a quarter, the halving stays and is reported."""
     problem = Hierarchical(num_data=20, num_blocks=4)
     elbo = TraceMeanField_ELBO(num_particles=8, vectorize_particles=True)
 

@@ -199,6 +199,7 @@ def test_lbfgs_vectorized_step_equals_the_loop_at_exact_block_optima():
 
 
 def test_auto_trust_boxes_inexact_solves_only():
+    """``trust="auto"`` boxes solves of at most 5 evaluations; a given trust always applies."""
     assert GenericSolver().trust == 2.0
     assert GenericSolver(inner_steps=5).trust == 2.0
     assert GenericSolver(inner_steps=6).trust is None
