@@ -160,8 +160,8 @@ def batched_lbfgs(
     :param check_every: if set, stop early, once every ``check_every`` iterations, when no
         block is running (one host synchronisation per check; the result is the same).
         ``None`` (default): never read a value on the host.
-    :param box: ``box(g0) -> w``, half-widths ``(m, p)`` (``inf``: unbounded) of a box
-        ``|x - x0| <= w`` around the start, from the gradient there: every trial point is
+    :param box: ``box(g0) -> w``, half-widths ``(m, p)`` (``inf`` or NaN: unbounded) of a
+        box ``|x - x0| <= w`` around the start, from the gradient there: every trial point is
         clipped into it, and Armijo's test uses the clipped step.
     :returns: the :class:`BatchedLBFGSResult`.
     """
@@ -201,7 +201,9 @@ def batched_lbfgs(
     accepted_steps = torch.zeros(m, dtype=torch.long, device=device)
     stopped = ~(torch.isfinite(value) & torch.isfinite(grad).all(1))
     if box is not None:
-        width = box(grad)
+        # A block whose start gradient is not finite is frozen: no box, whose NaN bounds would
+        # make its trial points NaN (an objective that validates its input raises for all).
+        width = box(grad).nan_to_num(nan=torch.inf)
         lower, upper = x - width, x + width
     roundoff = 16 * torch.finfo(dtype).eps
 

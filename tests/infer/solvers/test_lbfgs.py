@@ -153,7 +153,8 @@ def test_the_loop_reads_no_tensor_value_on_the_host(no_host_sync):
     objective, _ = logistic_regressions()
     result = batched_lbfgs(objective, torch.zeros(3, 5), max_iter=30)
     poisoned = batched_lbfgs(barrier_objective, torch.zeros(3, 4), max_iter=30)
-    assert result.evaluations == poisoned.evaluations == 31
+    boxed = batched_lbfgs(objective, torch.zeros(3, 5), max_iter=30, box=lambda grad: 2 * grad.abs() + 1e-3)
+    assert result.evaluations == poisoned.evaluations == boxed.evaluations == 31
 
 
 def test_check_every_stops_early_with_the_same_result():
@@ -208,3 +209,23 @@ def test_a_trial_point_outside_the_support_is_refused():
 
     result = batched_lbfgs(objective, torch.tensor([[3.0]]), max_iter=50)
     torch.testing.assert_close(result.x, torch.tensor([[3.4]]), rtol=0, atol=1e-8)
+
+
+def test_a_box_from_a_non_finite_start_gradient_leaves_the_other_blocks_free():
+    """A block whose start gradient is not finite gets no box (it is frozen anyway): its trial
+    points stay finite, so an objective that refuses non-finite input (as Pyro's argument
+    validation does, raising for the whole batch) does not reject the other blocks' steps."""
+    objective, optimum = quadratics(num_blocks=3, dim=4)
+
+    def validated(x):
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("non-finite argument")
+        # Block 1's value and gradient are NaN; the others' are untouched.
+        poisoned = (x[1:2] * torch.nan).sum(1)
+        return torch.cat([objective(x[:1], slice(0, 1)), poisoned, objective(x[2:], slice(2, 3))])
+
+    x0 = torch.randn(3, 4)
+    result = batched_lbfgs(validated, x0, max_iter=100, box=lambda grad: 100.0 * (grad.abs() + 1.0))
+    assert torch.equal(result.x[1], x0[1])
+    for b in (0, 2):
+        torch.testing.assert_close(result.x[b], optimum[b], rtol=0, atol=1e-8 * float(optimum[b].norm()))
