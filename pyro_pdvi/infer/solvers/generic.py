@@ -64,11 +64,12 @@ class GenericSolver:
         log-variance moved by 87 in one 3-evaluation solve, and the run collapsed a scale;
         ``docs/benchmarks.md``, section 13f). It also binds on sound solves: it made the
         logistic regression, PPCA and the hierarchical model of the suite 1.3-1.8x less
-        accurate at equal CPU s, the scale regression 3.4x more (13f). ``None``: no box. ``"auto"`` (default): a box
-        of :data:`AUTO_TRUST` for inexact solves (``inner_steps <= 5``), none for longer
-        ones, which are left to their line search: where locals couple to the globals the
-        start's gradient does not bound the exact solve's move (measured: the exact-solve tests
-        on the quadratic of App. C.3 miss their 1e-8 tolerance with a box of 2).
+        accurate at equal CPU s, the scale regression 3.4x more (13f). ``None``: no box.
+        ``"auto"`` (default): a box of :data:`AUTO_TRUST` for inexact solves
+        (``inner_steps <= 5``), none for longer ones, which are left to their line search:
+        where locals couple to the globals the start's gradient does not bound the exact
+        solve's move (measured: the exact-solve tests on the quadratic of App. C.3 miss their
+        1e-8 tolerance with a box of 2).
     """
 
     def __init__(
