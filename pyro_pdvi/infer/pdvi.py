@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import pyro
 import torch
-from pyro.infer import ELBO
+from pyro.infer import ELBO, TraceEnum_ELBO
 from pyro.optim import PyroOptim
 
 from ..checks import check_choice, check_non_negative
@@ -33,13 +33,14 @@ from ..errors import NonFiniteStepError
 from .blocks import BlockPartition
 from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate, find_non_finite
 from .handlers import plate_entry
+from .local_cavi import categorical_rows, exact_rows
 from .objective import BlockObjective, loss_function
 from .params import ParamStoreView
 from .particles import SolveLoss, check_particles, solve_loss
 from .problem import BlockProblem
 from .run import RunResult, run_epochs
 from .safeguard import RisingObjectiveGuard
-from .sites import GlobalLayout, find_sites, missing_subsample_message
+from .sites import FoundSites, GlobalLayout, find_sites, missing_subsample_message
 from .solvers import BlockSolver, GenericSolver
 from .stationarity import StationarityTest
 from .step_sizes import AutoStepSize, StepSizes, check_eta, resolve_groups
@@ -214,6 +215,8 @@ class PDVI(StepSizeUpkeep):
         self._stationarity = StationarityTest()
         self._state: ConsensusState | None = None
         self._pending_state: dict | None = None
+        # Local sites whose rows the solves set in closed form (found at the set-up).
+        self._categorical_rows: tuple[str, ...] = ()
         # PDVI's own randomness (noise seeds, curvature probes, run's block order) comes from
         # this generator, seeded from torch's at the first step: it does not depend on how
         # much the traces draw, so a run split over processes draws the same seeds.
@@ -263,6 +266,8 @@ class PDVI(StepSizeUpkeep):
         # max_plate_nesting by tracing, which draws) must not shift the fixed noise of
         # the first solve, nor differ between a fresh and a resumed run.
         self._warm_up(args, kwargs)
+        self._categorical_rows = ()
+        self._categorical_rows = self._find_categorical_rows(found, args, kwargs)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
@@ -304,6 +309,18 @@ class PDVI(StepSizeUpkeep):
                 "TraceEnum_ELBO, which PDVI can give more particles.",
                 stacklevel=5,
             )
+
+    def _find_categorical_rows(self, found: FoundSites, args: tuple, kwargs: dict) -> tuple[str, ...]:
+        """The local sites whose rows a solve may set by their closed-form update
+        (:mod:`~pyro_pdvi.infer.local_cavi`): the logits of enumerated categorical factors under
+        a ``TraceEnum_ELBO``, where the update is exact on the first block."""
+        if not isinstance(self._solve_loss.loss, TraceEnum_ELBO):
+            return ()
+        names = categorical_rows(found.guide_trace, self.local_sites, self.plate)
+        if not names:
+            return ()
+        problem = self._problem(torch.tensor([0]), [0], args, kwargs)
+        return tuple(exact_rows(problem, names))
 
     def _copies(self, flat: torch.Tensor, num_blocks: int, requires_grad: bool = True) -> dict:
         """``lambda`` (a flat vector) as every global site's value for ``num_blocks`` blocks."""
@@ -435,6 +452,7 @@ class PDVI(StepSizeUpkeep):
             optim=self.optim,
             args=args,
             kwargs=kwargs,
+            categorical_rows=self._categorical_rows,
         )
 
     def _draw_seed(self) -> int:

@@ -50,6 +50,9 @@ class BlockProblem:
     :param optim: the user's :class:`pyro.optim.PyroOptim`, for a solver that steps with it.
     :param args: the positional arguments of the step.
     :param kwargs: the keyword arguments of the step.
+    :param categorical_rows: local sites whose rows are the logits of an enumerated
+        categorical guide factor, whose exact update is closed form
+        (:mod:`~pyro_pdvi.infer.local_cavi`), checked on the first block.
     """
 
     blocks: torch.Tensor
@@ -64,6 +67,7 @@ class BlockProblem:
     optim: PyroOptim | None = None
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    categorical_rows: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return self.indices.shape[0]

@@ -190,6 +190,13 @@ def split_param_sites(
     return global_sites, [local[name] for name in sorted(local)]
 
 
+def _is_point_mass(fn: dist.Distribution) -> bool:
+    """A ``Delta``, also behind ``.to_event()`` (``Independent``)."""
+    while isinstance(fn, dist.Independent):
+        fn = fn.base_dist
+    return isinstance(fn, dist.Delta)
+
+
 def monte_carlo_sites(guide_trace: Trace) -> list[str]:
     """Guide sample sites that a loss estimates by Monte Carlo (not Delta, not enumerated):
     where the block objective depends on the noise of a solve."""
@@ -198,7 +205,7 @@ def monte_carlo_sites(guide_trace: Trace) -> list[str]:
         for name, site in guide_trace.nodes.items()
         if site["type"] == "sample"
         and not is_subsample_site(site)
-        and not isinstance(site["fn"], dist.Delta)
+        and not _is_point_mass(site["fn"])
         and site["infer"].get("enumerate") is None
     ]
 
@@ -212,6 +219,7 @@ class FoundSites:
     :param local_sites: the local param sites, by name.
     :param plate_in_guide: whether the guide enters the data plate (else only the model does).
     :param monte_carlo_sites: the guide's sample sites estimated by Monte Carlo.
+    :param guide_trace: the guide's trace on the step's subsample.
     """
 
     plate: DataPlate
@@ -219,6 +227,7 @@ class FoundSites:
     local_sites: list[LocalSite]
     plate_in_guide: bool
     monte_carlo_sites: list[str]
+    guide_trace: Trace
 
 
 def find_sites(
@@ -246,7 +255,12 @@ def find_sites(
         traces, plate, store.get_state()["constraints"], unconstrained
     )
     return FoundSites(
-        plate, global_sites, local_sites, plate.name in guide_trace.nodes, monte_carlo_sites(guide_trace)
+        plate,
+        global_sites,
+        local_sites,
+        plate.name in guide_trace.nodes,
+        monte_carlo_sites(guide_trace),
+        guide_trace,
     )
 
 

@@ -93,5 +93,6 @@ def test_monte_carlo_sites_leave_out_delta_and_enumerated_sites():
         pyro.sample("a", dist.Normal(0.0, 1.0))
         pyro.sample("b", dist.Delta(torch.tensor(1.0)))
         pyro.sample("c", dist.Categorical(torch.ones(3)), infer={"enumerate": "parallel"})
+        pyro.sample("d", dist.Delta(torch.ones(2, 3)).to_event(2))
 
     assert monte_carlo_sites(poutine.trace(guide).get_trace()) == ["a"]
