@@ -125,6 +125,23 @@ def test_pdvi_step_keeps_its_state_on_cuda(blocks_per_step):
             assert value.device.type == "cuda", name
 
 
+def test_generic_step_with_the_categorical_update_keeps_its_state_on_cuda():
+    """The default generic solve of the mixture, with the closed-form update of q(z)'s logits
+    (pyro_pdvi.infer.local_cavi), runs on the device and leaves its state there."""
+    data = make_biased_gmm(600, 3, 2, 100, 0.9, seed=3, separation=3.0)
+    on_cuda = data.data.to(CUDA)
+    gmm = GMMModel(on_cuda, data.prior.to(torch.float64, CUDA))
+    blocks = [b.to(CUDA) for b in data.blocks]
+    loss = TraceEnum_ELBO(max_plate_nesting=1, num_particles=4, vectorize_particles=True)
+    pdvi = PDVI(gmm.model, gmm.guide, pyro.optim.Adam({"lr": 0.01}), loss, blocks=blocks)
+    for block in blocks:
+        assert isinstance(pdvi.step(block), float)
+    assert pdvi._categorical_rows == ("alpha",)
+    assert pdvi.state.consensus.device.type == "cuda"
+    for name, value in pyro.get_param_store().named_parameters():
+        assert value.device.type == "cuda", name
+
+
 def test_batched_lbfgs_on_cuda_equals_cpu_without_synchronising():
     """Per-block L-BFGS of separable quadratics: no host read inside the loop on CUDA, and
     the CPU's iterates (same algorithm, same float64 arithmetic up to rounding)."""
