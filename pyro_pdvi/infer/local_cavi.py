@@ -17,7 +17,8 @@ the block objective per site).
 Why it matters: a few L-BFGS iterations over a block's globals and thousands of saturated
 logits barely move the logits, and the globals' solve then rests on stale assignments. On
 the generic suite's full-size GMM (N = 100,000, 100 blocks, K = 5) the update took
-W2/W2* from 70 after 240 CPU s to about 1.3 after 120 (``docs/benchmarks.md`` section 13g).
+W2/W2* after 240 CPU s from 70 to 1.0, where the best SVI+Adam reached 2.1
+(``docs/benchmarks.md`` section 13g).
 
 Which rows qualify (:func:`categorical_rows`): a local param site whose rows are the logits
 (unconstrained, ``event_dim=1``) or the probabilities (``constraints.simplex``) of an

@@ -266,7 +266,7 @@ class PDVI(StepSizeUpkeep):
         # max_plate_nesting by tracing, which draws) must not shift the fixed noise of
         # the first solve, nor differ between a fresh and a resumed run.
         self._warm_up(args, kwargs)
-        self._categorical_rows = ()
+        self._categorical_rows = ()  # none while the check below builds its problem
         self._categorical_rows = self._find_categorical_rows(found, args, kwargs)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
@@ -313,8 +313,10 @@ class PDVI(StepSizeUpkeep):
     def _find_categorical_rows(self, found: FoundSites, args: tuple, kwargs: dict) -> tuple[str, ...]:
         """The local sites whose rows a solve may set by their closed-form update
         (:mod:`~pyro_pdvi.infer.local_cavi`): the logits of enumerated categorical factors under
-        a ``TraceEnum_ELBO``, where the update is exact on the first block."""
-        if not isinstance(self._solve_loss.loss, TraceEnum_ELBO):
+        a ``TraceEnum_ELBO``, where the update is exact on the first block; none unless the
+        solver is a :class:`~pyro_pdvi.infer.solvers.GenericSolver` that uses them."""
+        uses_them = isinstance(self.solver, GenericSolver) and self.solver.local_cavi
+        if not uses_them or not isinstance(self._solve_loss.loss, TraceEnum_ELBO):
             return ()
         names = categorical_rows(found.guide_trace, self.local_sites, self.plate)
         if not names:

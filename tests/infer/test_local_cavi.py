@@ -193,6 +193,17 @@ def test_the_update_runs_before_a_solve_and_local_cavi_false_leaves_the_rows_to_
             assert (rows.log_softmax(-1) - expected).abs().max() > 10
 
 
+def test_no_rows_are_found_for_a_solver_that_does_not_use_them():
+    """With local_cavi=False (or a model's own solver) PDVI neither looks for such rows nor
+    checks them (which would cost two evaluations per site at its set-up)."""
+    mixture = Mixture(scale=2.0, scale_guide=True)  # would fail the check, with a warning
+    pdvi = make_pdvi(mixture, solver=GenericSolver(local_cavi=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pdvi._setup((mixture.blocks[0],), {})
+    assert pdvi._categorical_rows == ()
+
+
 def test_local_cavi_must_be_a_bool():
     with pytest.raises(ValueError, match=r"Invalid local_cavi: 1; use True or False"):
         GenericSolver(local_cavi=1)

@@ -75,8 +75,9 @@ class GenericSolver:
     :param local_cavi: before the solve, set the rows of every enumerated categorical local
         factor (``problem.categorical_rows``) to their exact mean-field update at ``lambda_0``
         (:mod:`~pyro_pdvi.infer.local_cavi`; one evaluation per such site). Measured on the
-        suite's full-size generic GMM: W2/W2* 1.3 after 120 CPU s against 70 after 240 without
-        it (``docs/benchmarks.md``, section 13g). ``False``: those rows are solved with the rest.
+        suite's full-size generic GMM: W2/W2* 1.0 after 240 CPU s, against 70 without it and
+        2.1 for the best SVI+Adam (``docs/benchmarks.md``, section 13g). ``False``: those rows
+        are solved with the rest.
     """
 
     def __init__(
