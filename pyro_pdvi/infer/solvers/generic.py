@@ -14,6 +14,7 @@ torch optimizer is coordinate-wise, so the blocks do not interact).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from math import inf
 
@@ -160,13 +161,18 @@ class GenericSolver:
             width[:, :num_globals] = self.trust * grad[:, :num_globals].abs() + TRUST_FLOOR
             return width
 
-        result = batched_lbfgs(
-            augmented_lagrangians,
-            start,
-            self.inner_steps,
-            check_every=check_every,
-            box=None if self.trust is None else box,
-        )
+        # Trial points outside the model's domain belong to the line search, which rejects them
+        # (and a start that is not finite fails the step with a message that names the block):
+        # Pyro's "Encountered NaN" warnings from their evaluation would only alarm the user.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Encountered NaN", category=UserWarning)
+            result = batched_lbfgs(
+                augmented_lagrangians,
+                start,
+                self.inner_steps,
+                check_every=check_every,
+                box=None if self.trust is None else box,
+            )
         with torch.no_grad():
             copies, rows = unpack(result.x)
             losses = result.value - problem.penalty(copies)

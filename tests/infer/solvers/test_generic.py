@@ -1,6 +1,8 @@
 """The generic solver: every block's augmented Lagrangian through the Pyro model, by its own
 L-BFGS or the user's optimizer, through the loop or the vectorized kernel, to exact optima."""
 
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -259,3 +261,32 @@ def test_trust_box_bounds_every_global_move_of_a_solve():
     for k, grad in start_grads.items():
         assert (moves[0.001][k].abs() <= 0.001 * grad.abs() + 1e-3 + 1e-9).all(), k
     assert any((moves[None][k].abs() > 0.001 * g.abs() + 1e-3).any() for k, g in start_grads.items())
+
+
+def test_trial_points_outside_the_domain_raise_no_nan_warnings():
+    """A trial point where the objective is NaN (Pyro warns "Encountered NaN" there, forward and
+    backward) is rejected by the line search; the solve warns nothing and ends finite, at the
+    minimiser inside the domain."""
+    from pyro.util import warn_if_nan
+
+    def losses(copies, rows, vectorize=False):
+        w = copies["w"].sum(1)
+        value = torch.where(w < 2.0, (w - 1.0).square(), torch.nan)
+        return warn_if_nan(value, "loss")
+
+    problem = BlockProblem(
+        blocks=torch.tensor([0]),
+        indices=torch.zeros(1, 1, dtype=torch.long),
+        consensus={"w": torch.tensor([-3.0])},
+        dual={"w": torch.zeros(1, 1)},
+        step_sizes={"w": torch.tensor([100.0])},
+        local={},
+        num_blocks=1,
+        num_data=1,
+        losses=losses,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        solution = GenericSolver(inner_steps=40, trust=None).solve(problem)
+    assert torch.isfinite(solution.loss).all()
+    assert abs(float(solution.globals["w"][0, 0]) - 1.0) < 0.05
