@@ -282,7 +282,8 @@ class AutoStepSize:
     :param scale: the constant of the rule (default :data:`DEFAULT_SCALES`). For
         ``"curvature"`` the default 2 is a compromise measured in ``docs/benchmarks.md``: of
         1, 2 and 4 it was best on the AutoDelta MAP test and for PD-VI on the quadratic.
-    :param fisher_samples: draws of the guide's latents per block for ``F_j``.
+    :param fisher_samples: draws of the guide's latents per block for ``F_j`` of the guide sites
+        without a closed form (a Gaussian site's is exact: :mod:`~pyro_pdvi.infer.fisher`).
     :param fisher_blocks: blocks the Fisher estimate averages.
     :param curvature_probes: Rademacher probes of each block's diagonal curvature (natural
         rule: measured before the block's first solve, it bounds ``eta_j <= 8 / max_b h_bj``).
