@@ -125,9 +125,9 @@ def gaussian_parameters(fn: torch.distributions.Distribution) -> tuple[torch.Ten
 
 
 def _has_closed_form(fn: torch.distributions.Distribution) -> bool:
-    """Whether a site's Fisher information needs no Monte Carlo: a Gaussian, or a point mass
-    (none: an ``AutoNormal`` writes each latent's constrained value as a ``Delta`` whose
-    ``log_density``, the transform's Jacobian, belongs to the Gaussian site before it)."""
+    """Whether a site's Fisher information needs no Monte Carlo: a Gaussian's is closed form and
+    a point mass has none (an ``AutoNormal`` writes each latent's constrained value as a ``Delta``
+    whose ``log_density``, the transform's Jacobian, belongs to the Gaussian site before it)."""
     while isinstance(fn, torch.distributions.Independent):
         fn = fn.base_dist
     return isinstance(fn, Delta) or gaussian_parameters(fn) is not None
