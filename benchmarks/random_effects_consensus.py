@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class MeanPart:
     """The suite's random-effects model at fixed scales, as a quadratic in its means.
 
+    :param data: the suite's problem, for its data, groups and fixed-effect prior.
     :param blocks: the blocks' data indices.
     :param noise_sd: sd of y given the means.
     :param intercept_sd: prior sd of the group intercepts ``a_g``.
@@ -116,7 +117,13 @@ class MeanPart:
         self.optimum = torch.linalg.solve(self.curvatures.sum(0), self.linear.sum(0))
 
     def solve(self, block: int, dual: torch.Tensor, consensus: torch.Tensor, step_sizes: torch.Tensor):
-        """``argmin_x f_b(x) + <mu_b, x - lambda_0> + 1/2 ||x - lambda_0||^2_D``, exactly."""
+        """``argmin_x f_b(x) + <mu_b, x - lambda_0> + 1/2 ||x - lambda_0||^2_D``, exactly.
+
+        :param block: ``b``.
+        :param dual: ``mu_b``, shape ``(P,)``.
+        :param consensus: ``lambda_0``, shape ``(P,)``.
+        :param step_sizes: ``eta`` per coordinate (``D = diag(1 / eta)``), shape ``(P,)``.
+        """
         penalty = 1.0 / step_sizes
         system = self.curvatures[block] + torch.diag(penalty)
         return torch.linalg.solve(system, self.linear[block] - dual + penalty * consensus)
@@ -144,7 +151,14 @@ def natural_step_sizes(curvatures: torch.Tensor, bound: float) -> torch.Tensor:
 
 
 def run(problem: MeanPart, rule: str, bound: float, epochs: int, seed: int) -> list[float]:
-    """rms error of ``lambda_0`` after every epoch."""
+    """rms error of ``lambda_0`` after every epoch.
+
+    :param problem: the quadratic.
+    :param rule: a global update rule of :class:`~pyro_pdvi.infer.consensus.ConsensusState`.
+    :param bound: the natural rule's bound (``inf``: none).
+    :param epochs: passes over the blocks.
+    :param seed: seed of the block orders.
+    """
     num_blocks, size = problem.linear.shape
     step_sizes = natural_step_sizes(problem.curvatures, bound)
     state = ConsensusState(torch.zeros(size, dtype=torch.float64), num_blocks, step_sizes, rule)
