@@ -44,6 +44,9 @@ PDVI_CONFIGS: dict[str, dict] = {
     "warmup0": {"warmup_epochs": 0.0},
     # The L-BFGS solve without the trust box of the default short solve (13f), for a before/after.
     "no_trust": {"solver": GenericSolver(trust=None)},
+    # The scales of Gaussian global sites moved by the primal-dual iteration, the default before
+    # their fixed point (13i), for a before/after inside one run.
+    "scale_pd": {"scale_update": "primal_dual"},
     # P2D-VI: one automatic step size per global site, by the curvature rule.
     "per_site": {"groups": "per_site", "eta": AutoStepSize(rule="curvature")},
     # The best hand setting on the logistic regression.

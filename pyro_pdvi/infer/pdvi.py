@@ -8,7 +8,9 @@ variational parameters and a dual ``mu_b``. A step over the blocks of its subsam
    :mod:`~pyro_pdvi.infer.solvers`),
 3. moves the duals, ``mu_b += D (lambda_b - lambda_0)``, and the consensus ``lambda_0``
    (:mod:`~pyro_pdvi.infer.consensus`),
-4. writes ``lambda_0`` and the blocks' rows to the param store (:mod:`~pyro_pdvi.infer.params`),
+4. sets the scales of Gaussian global guide sites to their mean-field fixed point, which the
+   solves hold (:mod:`~pyro_pdvi.infer.scales`; ``scale_update``),
+5. writes ``lambda_0`` and the blocks' rows to the param store (:mod:`~pyro_pdvi.infer.params`),
 
 as written out in ``shared/docs/algorithm.md``. P2D-VI is the same with ``D = blkdiag(I/eta_j)``
 over groups of sites (:mod:`~pyro_pdvi.infer.step_sizes`).
@@ -40,11 +42,15 @@ from .particles import SolveLoss, check_particles, solve_loss
 from .problem import BlockProblem
 from .run import RunResult, run_epochs
 from .safeguard import RisingObjectiveGuard
+from .scales import ScaleFixedPoint, find_scale_maps
 from .sites import FoundSites, GlobalLayout, find_sites, missing_subsample_message
 from .solvers import BlockSolver, GenericSolver
 from .stationarity import StationarityTest
 from .step_sizes import AutoStepSize, StepSizes, check_eta, resolve_groups
 from .upkeep import StepSizeUpkeep
+
+#: Values of ``PDVI(scale_update=...)``.
+SCALE_UPDATES = ("auto", "fixed_point", "primal_dual")
 
 #: A step refused for a non-finite value is solved again (fresh noise) up to this many times,
 #: every step size halved before each try; if all fail it raises, the state as before the step.
@@ -59,12 +65,14 @@ class StepSolution(NamedTuple):
     :param losses: ``f_b`` at the solutions, shape ``(m,)``.
     :param parts: per group of equal-size blocks, their data indices ``(m_g, s_g)`` and
         new local rows ``(m_g, *rows_shape)``.
+    :param seeds: the blocks' noise seeds, in the order of ``block_ids``.
     """
 
     block_ids: torch.Tensor
     copies: torch.Tensor
     losses: torch.Tensor
     parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    seeds: list[int]
 
 
 class PDVI(StepSizeUpkeep):
@@ -141,6 +149,16 @@ class PDVI(StepSizeUpkeep):
         of the generic suite). ``"auto"`` (default): on for a Monte Carlo solve (the
         :class:`~pyro_pdvi.infer.solvers.GenericSolver` with Monte Carlo guide sites), off for a
         deterministic one; ``True`` or ``False`` force it.
+    :param scale_update: how the scales of Gaussian global guide sites move
+        (:mod:`~pyro_pdvi.infer.scales`): ``"fixed_point"`` sets them after every step to the
+        mean-field fixed point ``sigma_i^-2 = sum_b h_bi`` (Price's theorem: each block's share
+        from the gradient of its ``f_b``, averaged over its visits), the solves holding them at
+        ``lambda_0``; ``"primal_dual"`` moves them as any other param. ``"auto"`` (default):
+        the fixed point for the :class:`~pyro_pdvi.infer.solvers.GenericSolver` with a Pyro ELBO
+        and at least one site whose scale entries are each one param coordinate's
+        (``AutoNormal``'s, a ``positive`` or log-scale param's), else the primal-dual iteration
+        (``docs/benchmarks.md`` 13i: scales 2-5x closer on four models of the generic suite).
+        The loss must be a negative ELBO for the fixed point to be the optimum's.
     :param plate_name: name of the data plate, if several plates have size N.
     """
 
@@ -160,6 +178,7 @@ class PDVI(StepSizeUpkeep):
         particles: int | str | None = "auto",
         antithetic: bool | str = "auto",
         step_decay: bool | str = "auto",
+        scale_update: str = "auto",
         plate_name: str | None = None,
     ) -> None:
         if not isinstance(optim, PyroOptim):
@@ -185,6 +204,13 @@ class PDVI(StepSizeUpkeep):
         if step_decay != "auto" and not isinstance(step_decay, bool):
             raise ValueError(f'Invalid step_decay: {step_decay!r}; use True, False or "auto"')
         self.particles = check_particles(particles)
+        check_choice(scale_update, SCALE_UPDATES, "scale_update")
+        if scale_update == "fixed_point" and not isinstance(solver, GenericSolver):
+            raise ValueError(
+                f"scale_update='fixed_point' needs the GenericSolver: {type(solver).__name__} solves "
+                "every global param itself; use scale_update='primal_dual' (or 'auto')"
+            )
+        self.scale_update = scale_update
 
         self.model = model
         self.guide = guide
@@ -214,6 +240,7 @@ class PDVI(StepSizeUpkeep):
         self._guard = RisingObjectiveGuard()
         self._stationarity = StationarityTest()
         self._state: ConsensusState | None = None
+        self._scales: ScaleFixedPoint | None = None
         self._pending_state: dict | None = None
         # Local sites whose rows the solves set in closed form (found at the set-up).
         self._categorical_rows: tuple[str, ...] = ()
@@ -268,6 +295,7 @@ class PDVI(StepSizeUpkeep):
         self._warm_up(args, kwargs)
         self._categorical_rows = ()  # none while the check below builds its problem
         self._categorical_rows = self._find_categorical_rows(found, args, kwargs)
+        self._scales = self._find_scales(first_blocks, args, kwargs)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
@@ -324,6 +352,30 @@ class PDVI(StepSizeUpkeep):
         problem = self._problem(torch.tensor([0]), [0], args, kwargs)
         return tuple(exact_rows(problem, names))
 
+    def _find_scales(self, first_blocks: torch.Tensor, args: tuple, kwargs: dict) -> ScaleFixedPoint | None:
+        """The scales set by their fixed point (``scale_update``), found on the first block."""
+        if self.scale_update == "primal_dual":
+            return None
+        if self.scale_update == "auto" and not (
+            isinstance(self.loss, ELBO) and isinstance(self.solver, GenericSolver)
+        ):
+            return None
+        indices = self.partition.block(int(first_blocks[0]), self.device)
+        point = self._state.consensus
+        maps = find_scale_maps(
+            self.guide, self.plate, self.layout, point, indices, args, kwargs, self._side_seed(-2)
+        )
+        if not maps:
+            if self.scale_update == "fixed_point":
+                raise ValueError(
+                    "scale_update='fixed_point': no global guide site is a Normal (behind Independent or "
+                    "a parameter-free transform) whose scale entries are each one param coordinate's "
+                    "own function (a positive or softplus_positive param, or exp of an unconstrained "
+                    "one) that no location uses; use scale_update='primal_dual'"
+                )
+            return None
+        return ScaleFixedPoint(maps, len(self.partition), point)
+
     def _copies(self, flat: torch.Tensor, num_blocks: int, requires_grad: bool = True) -> dict:
         """``lambda`` (a flat vector) as every global site's value for ``num_blocks`` blocks."""
         flat = flat.detach().requires_grad_(requires_grad)
@@ -357,6 +409,7 @@ class PDVI(StepSizeUpkeep):
         then adapt the step sizes for the next steps."""
         epoch = self._block_visits // len(self.partition)
         before = None
+        held = None if self._scales is None else self._state.consensus[self._scales.coordinates].clone()
         for retry in range(REFUSED_STEP_RETRIES + 1):
             solved = self._solve_everywhere(block_ids, args, kwargs)
             try:
@@ -372,8 +425,44 @@ class PDVI(StepSizeUpkeep):
                         "before each retry, and the step sizes are back as they were.)"
                     ) from None
                 self._halve_after_refusal(error)
+        self._update_scales(solved, held, args, kwargs)
         self._adapt_step_sizes(block_ids, epoch, args, kwargs)
         return loss
+
+    def _update_scales(
+        self, solved: StepSolution, held: torch.Tensor | None, args: tuple, kwargs: dict
+    ) -> None:
+        """After an accepted step, the scales set by their fixed point (:mod:`~pyro_pdvi.infer.scales`):
+        put back their values from before the step (the global update moved them with stale
+        copies), record the step's blocks' ``h_b`` at the new ``lambda_0`` and rows (the step's
+        noise), and set them to the fixed point of every block's."""
+        fixed = self._scales
+        if fixed is None:
+            return
+        state = self._state
+        state.consensus[fixed.coordinates] = held
+        point = state.consensus.detach()
+        gradients, start = [], 0
+        for indices, rows in solved.parts:
+            copies = point.expand(len(indices), -1).clone().requires_grad_()
+            losses = self._objective.bind(indices, solved.seeds[start : start + len(indices)], args, kwargs)
+            f = losses(self.layout.unflatten(copies), rows)
+            gradients.append(torch.autograd.grad(f.sum(), copies)[0])
+            start += len(indices)
+        shares = self.partition.sizes[solved.block_ids].to(point) / self.partition.num_data
+        information = fixed.block_information(torch.cat(gradients), shares, point)
+        change, first = fixed.record(solved.block_ids, information)
+        summed = self._all_reduce(torch.cat([change, change.new_tensor([first])]))
+        fixed.add(summed[:-1], int(summed[-1]))
+        values = fixed.scales_at(point)
+        if values is not None:
+            state.consensus[fixed.coordinates] = values
+        self._params.write_consensus(state.consensus)
+        self.diagnostics["scale_fixed_point"] = {
+            "params": fixed.param_names,
+            "non_positive": fixed.non_positive,
+            "non_finite": fixed.non_finite,
+        }
 
     def _halve_after_refusal(self, error: NonFiniteStepError) -> None:
         """Halve every step size for the retry of a refused step (``lambda_0`` moves with
@@ -409,11 +498,12 @@ class PDVI(StepSizeUpkeep):
     def _solve(self, block_ids: torch.Tensor, seeds: list[int], args: tuple, kwargs: dict) -> StepSolution:
         """Primal solutions of the step's blocks: one problem per group of equal-size blocks."""
         sizes = self.partition.sizes[block_ids]
-        solved_ids, copies, losses, parts = [], [], [], []
+        solved_ids, copies, losses, parts, solved_seeds = [], [], [], [], []
         for size in sizes.unique().tolist():
             chosen = (sizes == size).nonzero().reshape(-1)
             ids = block_ids[chosen]
-            problem = self._problem(ids, [seeds[i] for i in chosen.tolist()], args, kwargs)
+            solved_seeds += [seeds[i] for i in chosen.tolist()]
+            problem = self._problem(ids, solved_seeds[-len(ids) :], args, kwargs)
             solution = self.solver.solve(problem)
             loss = solution.loss
             if loss is None:
@@ -422,7 +512,7 @@ class PDVI(StepSizeUpkeep):
             copies.append(self.layout.flatten(solution.globals, batch_dims=1))
             losses.append(loss.detach().reshape(-1))
             parts.append((problem.indices, solution.local))
-        return StepSolution(torch.cat(solved_ids), torch.cat(copies), torch.cat(losses), parts)
+        return StepSolution(torch.cat(solved_ids), torch.cat(copies), torch.cat(losses), parts, solved_seeds)
 
     @staticmethod
     def _copies_of(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -455,7 +545,17 @@ class PDVI(StepSizeUpkeep):
             args=args,
             kwargs=kwargs,
             categorical_rows=self._categorical_rows,
+            held=self._held,
         )
+
+    @property
+    def _held(self) -> dict[str, torch.Tensor]:
+        """The solves' held coordinates (the scales set by their fixed point), per site."""
+        if self._scales is None:
+            return {}
+        mask = torch.zeros_like(self._state.consensus, dtype=torch.bool)
+        mask[self._scales.coordinates] = True
+        return {k: v for k, v in self.layout.unflatten(mask).items() if bool(v.any())}
 
     def _draw_seed(self) -> int:
         return int(torch.randint(0, 2**62, (), generator=self._rng))
@@ -706,6 +806,7 @@ class PDVI(StepSizeUpkeep):
             "bounded_blocks": sorted(self._measured_blocks),
             "guard": self._guard.state_dict(),
             "stationarity": self._stationarity.state_dict(),
+            "scales": None if self._scales is None else self._scales.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -731,3 +832,12 @@ class PDVI(StepSizeUpkeep):
             self._stationarity.load_state_dict(state["stationarity"])
         self._state.load_state_dict(state["consensus_state"])
         self._rng.set_state(state["rng_state"])
+        # Absent from checkpoints before the scales' fixed point: it then starts afresh.
+        if "scales" in state:
+            if (state["scales"] is None) != (self._scales is None):
+                raise ValueError(
+                    "saved PDVI state and this PDVI disagree on scale_update: one sets scales by their "
+                    "fixed point, the other does not; build it with the same guide and scale_update"
+                )
+            if self._scales is not None:
+                self._scales.load_state_dict(state["scales"])

@@ -53,6 +53,10 @@ class BlockProblem:
     :param categorical_rows: local sites whose rows are the logits of an enumerated
         categorical guide factor, whose exact update is closed form
         (:mod:`~pyro_pdvi.infer.local_cavi`), checked on the first block.
+    :param held: for some global sites, a boolean mask shaped like the site of the coordinates
+        that the solve must hold at ``lambda_0`` (their copies equal ``lambda_0``: a scale set by
+        :mod:`~pyro_pdvi.infer.scales`); a generic solver respects it, a closed-form solver is
+        never given one.
     """
 
     blocks: torch.Tensor
@@ -68,6 +72,7 @@ class BlockProblem:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     categorical_rows: tuple[str, ...] = ()
+    held: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.indices.shape[0]
@@ -97,8 +102,19 @@ class BlockProblem:
     def whitened_copies(self, whitened: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``lambda_b = lambda_0 + sqrt(eta) * z_b`` for whitened ``z_b`` of shape
         ``(m, *site_shape)``: in ``z`` the penalty's quadratic is ``1/2 ||z_b||^2``, so the
-        subproblem stays well conditioned whatever the step sizes are."""
-        return {k: self.consensus[k] + self.step_sizes[k].sqrt() * z for k, z in whitened.items()}
+        subproblem stays well conditioned whatever the step sizes are. Held coordinates stay at
+        ``lambda_0`` (their ``z`` has no effect and gets a zero gradient)."""
+        return {
+            k: self.consensus[k]
+            + self.step_sizes[k].sqrt() * (z.masked_fill(self.held[k], 0.0) if k in self.held else z)
+            for k, z in whitened.items()
+        }
+
+    def hold(self, copies: dict[str, torch.Tensor]) -> None:
+        """Put the held coordinates of ``copies`` (``(m, *site_shape)``) back at ``lambda_0``, in place."""
+        with torch.no_grad():
+            for k, mask in self.held.items():
+                copies[k].copy_(torch.where(mask, self.consensus[k], copies[k]))
 
 
 @dataclass

@@ -196,6 +196,7 @@ class GenericSolver:
             inner.zero_grad()
             (problem.losses(copies, rows, vectorize) + problem.penalty(copies)).sum().backward()
             inner.step()
+            problem.hold(copies)
         losses = problem.losses(copies, rows, vectorize).detach()
         return BlockSolution(
             {k: v.detach() for k, v in copies.items()}, {k: v.detach() for k, v in rows.items()}, losses

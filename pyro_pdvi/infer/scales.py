@@ -1,0 +1,311 @@
+"""The scales of Gaussian global guide sites by the mean-field fixed point (Price's theorem).
+
+For a guide site ``q(z) = N(m, sigma^2)`` (a ``Normal``, behind ``Independent`` or a bijection
+without parameters, as in ``AutoNormal``), Price's theorem [1, 2] gives the negative ELBO's
+derivative in a scale as ``d(-ELBO)/d sigma_i = sigma_i E_q[-d^2 g / dz_i^2] - 1 / sigma_i``, ``g``
+the log joint seen from ``z`` (the transform's Jacobian included). So at the mean-field optimum
+
+    sigma_i^-2 = E_q[-d^2 g / dz_i^2] = sum_b h_bi,    h_bi = (d f_b / d sigma_i + s_b / sigma_i) / sigma_i,
+
+a sum over the blocks, ``s_b = |b| / N`` block ``b``'s share of the global terms of ``f_b``
+(:mod:`~pyro_pdvi.infer.objective`), and ``h_bi`` needs only the gradient of ``f_b``, at no
+Hessian. :class:`ScaleFixedPoint` keeps each block's ``h_bi``, refreshed at every visit and
+averaged over its visits with weights growing linearly (``2 / (k + 1)`` for the ``k``-th visit:
+the Monte Carlo noise averages out while the bias of early visits fades as ``1 / k^2``), and
+sets every such scale to ``(sum_b h_bi)^(-1/2)`` after each step once every block has been seen.
+The solves hold these coordinates at ``lambda_0`` (no copy, no dual moves them): the primal-dual
+iteration runs on the locations and the other params. This is the variance-reduced
+stored-gradient idea of SAG [3] applied to the scales' natural parameters (precisions, which add
+over the blocks as in partitioned VI [4]). The fixed point is the mean-field optimum's, whatever
+the averaging.
+
+Why: under the primal-dual iteration a scale's step size is bounded by the block curvature seen at
+its blocks' first visits (:mod:`~pyro_pdvi.infer.step_sizes`), which can hold it far from its
+optimum for many epochs, and its end state is a noise cloud; measured on the generic suite
+(``docs/benchmarks.md`` 13i).
+
+A site's scale qualifies when each of its entries is one param coordinate's own elementwise
+function, ``sigma_i = T(u_j)``, that no location depends on: either the param's constrained value
+(``constraint=positive`` or ``softplus_positive``, as ``AutoNormal``'s scales) or ``exp(c u_j + d)``
+(a log-scale or log-variance param); :func:`find_scale_maps` checks this on the guide.
+
+[1] Price (1958), "A useful theorem for nonlinear devices having Gaussian inputs", IRE Trans.
+    Inf. Theory 4(2).
+[2] Opper, Archambeau (2009), "The variational Gaussian approximation revisited", Neural Comput.
+    21(3).
+[3] Schmidt, Le Roux, Bach (2017), "Minimizing finite sums with the stochastic average
+    gradient", Math. Program. 162.
+[4] Ashman, Bui, Nguyen, et al. (2022), "Partitioned variational inference: a framework for
+    probabilistic federated learning", arXiv:2202.12275.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from pyro import poutine
+from torch.distributions import biject_to
+from torch.distributions.transforms import AffineTransform, ComposeTransform, ExpTransform, Transform
+
+from .fisher import gaussian_parameters
+from .handlers import BlockSubsample, FixedNoise, ParamOverride, is_subsample_site
+from .sites import DataPlate, GlobalLayout
+
+#: A site whose scale's Jacobian in the params (entries x params) has more elements than this is left
+#: to the primal-dual iteration (finding the map takes that Jacobian, once).
+MAX_JACOBIAN_ELEMENTS = 2**24
+
+#: Relative tolerance of the checks that a scale is ``T(u_j)``.
+MAP_TOLERANCE = 1e-5
+
+
+class ScaleMap(NamedTuple):
+    """The scale entries of one guide site as functions of param coordinates.
+
+    :param site: the guide site's name.
+    :param params: the names of the param sites its scale comes from (comma-separated).
+    :param coordinates: the flat param coordinate of each entry, shape ``(K,)``.
+    :param transform: ``sigma = transform(u)`` elementwise, ``u`` the coordinates' values.
+    """
+
+    site: str
+    params: str
+    coordinates: torch.Tensor
+    transform: Transform
+
+
+def find_scale_maps(
+    guide: Callable,
+    plate: DataPlate,
+    layout: GlobalLayout,
+    point: torch.Tensor,
+    indices: torch.Tensor,
+    args: tuple,
+    kwargs: dict,
+    seed: int = 0,
+) -> list[ScaleMap]:
+    """The global Gaussian guide sites whose scales the fixed point can set (module docstring).
+
+    :param guide: the Pyro guide.
+    :param plate: the data plate.
+    :param layout: the layout of the global params.
+    :param point: ``lambda_0``, flat (unconstrained).
+    :param indices: a block's data indices to run the guide on.
+    :param args: positional arguments of the guide.
+    :param kwargs: keyword arguments of the guide.
+    :param seed: seed of the guide's draws and of a random projection (torch's generator is
+        restored after).
+    :returns: one :class:`ScaleMap` per qualifying site, no two sharing a coordinate.
+    """
+    constraints = {s.name: s.constraint for s in layout.sites}
+    noise = FixedNoise(seed, point.device)
+    weights = torch.Generator().manual_seed(seed % 2**63)
+
+    def run(at: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        leaf = at.detach().requires_grad_()
+        guided = ParamOverride(layout.unflatten(leaf), constraints)(guide)
+        with noise():
+            trace = poutine.trace(BlockSubsample(plate.name, indices)(guided)).get_trace(*args, **kwargs)
+        gaussian = {}
+        for name, site in trace.nodes.items():
+            if site["type"] != "sample" or site["is_observed"] or is_subsample_site(site):
+                continue
+            parameters = gaussian_parameters(site["fn"])
+            in_plate = any(frame.name == plate.name for frame in site["cond_indep_stack"])
+            scaled = not (isinstance(site["scale"], (int, float)) and site["scale"] == 1.0)
+            if parameters is not None and not in_plate and not scaled:
+                gaussian[name] = parameters
+        return leaf, gaussian
+
+    leaf, gaussian = run(point)
+    # Coordinates that any location depends on cannot be set by a scale's fixed point.
+    probe = sum(
+        (torch.randn(loc.shape, generator=weights).to(loc) * loc).sum()
+        for loc, _ in gaussian.values()
+        if isinstance(loc, torch.Tensor) and loc.requires_grad
+    )
+    located = torch.zeros_like(point, dtype=torch.bool)
+    if isinstance(probe, torch.Tensor):
+        (grad,) = torch.autograd.grad(probe, leaf, retain_graph=True, allow_unused=True)
+        if grad is not None:
+            located = grad != 0
+    maps, used = [], torch.zeros_like(located)
+    for name, (_, scale) in gaussian.items():
+        found = _scale_map(name, scale, leaf, layout)
+        if found is None or bool((located | used)[found.coordinates].any()):
+            continue
+        used[found.coordinates] = True
+        maps.append(found)
+    if not maps:
+        return []
+    # The map must hold away from the start too (equal initial values fit many forms).
+    shifted = point.detach().clone()
+    for found in maps:
+        shifted[found.coordinates] += 0.1 * torch.linspace(-1, 1, len(found.coordinates)).to(point)
+    _, moved = run(shifted)
+    return [
+        found
+        for found in maps
+        if torch.allclose(
+            moved[found.site][1].detach().reshape(-1),
+            found.transform(shifted[found.coordinates]),
+            rtol=100 * MAP_TOLERANCE,
+            atol=0.0,
+        )
+    ]
+
+
+def _scale_map(name: str, scale: torch.Tensor, leaf: torch.Tensor, layout: GlobalLayout) -> ScaleMap | None:
+    """The site's :class:`ScaleMap` if each scale entry is one coordinate's own function."""
+    if not isinstance(scale, torch.Tensor) or not scale.requires_grad:
+        return None
+    if scale.numel() * leaf.numel() > MAX_JACOBIAN_ELEMENTS:
+        return None
+    flat = scale.reshape(-1)
+    eye = torch.eye(len(flat), dtype=flat.dtype, device=flat.device)
+    try:
+        (jacobian,) = torch.autograd.grad(flat, leaf, eye, retain_graph=True, is_grads_batched=True)
+    except RuntimeError:  # an op without a batched backward: leave the site to the primal-dual iteration
+        return None
+    nonzero = jacobian != 0
+    if not bool((nonzero.sum(1) == 1).all()):
+        return None
+    coordinates = nonzero.to(torch.uint8).argmax(1)
+    if len(coordinates.unique()) != len(coordinates):
+        return None  # one param coordinate scales several entries
+    sigma, slope = flat.detach(), jacobian.gather(1, coordinates[:, None]).reshape(-1)
+    u = leaf.detach()[coordinates]
+    owners = sorted({layout.site_of(j) for j in coordinates.tolist()})
+    params = ", ".join(owners)
+    if len(owners) == 1:
+        constraint = next(s.constraint for s in layout.sites if s.name == owners[0])
+        transform = biject_to(constraint)
+        if torch.allclose(transform(u), sigma, rtol=MAP_TOLERANCE, atol=0.0):
+            return ScaleMap(name, params, coordinates, transform)
+    ratio = slope / sigma  # d log sigma / du: a constant c for sigma = exp(c u + d)
+    if not bool((ratio != 0).all()) or not torch.allclose(
+        ratio, ratio[:1].expand_as(ratio), rtol=MAP_TOLERANCE
+    ):
+        return None
+    c = float(ratio[0])
+    offset = sigma.log() - c * u
+    return ScaleMap(name, params, coordinates, ComposeTransform([AffineTransform(offset, c), ExpTransform()]))
+
+
+class ScaleFixedPoint:
+    """Each block's share ``h_bi`` of the precisions of the mapped scales, and the scales they give
+    (module docstring).
+
+    :param maps: the scale maps (:func:`find_scale_maps`).
+    :param num_blocks: n.
+    :param point: ``lambda_0``, flat, for the dtype and device.
+    """
+
+    def __init__(self, maps: list[ScaleMap], num_blocks: int, point: torch.Tensor) -> None:
+        self.maps = maps
+        self.coordinates = torch.cat([m.coordinates for m in maps]).to(point.device)
+        size = len(self.coordinates)
+        self.information = point.new_zeros(num_blocks, size, dtype=torch.float64)
+        self.visits = torch.zeros(num_blocks, dtype=torch.long, device=point.device)
+        #: ``sum_b h_bi`` over every process's blocks.
+        self.total = point.new_zeros(size, dtype=torch.float64)
+        self.num_seen = 0
+        #: How many coordinates had no positive precision at the last update (left as they were).
+        self.non_positive = 0
+        #: How often a block's ``h_b`` was not finite (its previous one kept).
+        self.non_finite = 0
+
+    @property
+    def param_names(self) -> list[str]:
+        """The param sites whose coordinates the fixed point sets."""
+        return [m.params for m in self.maps]
+
+    def _scales(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sigma`` and ``d sigma / du`` at the coordinates' values ``u`` (float64)."""
+        u = u.detach().requires_grad_()
+        with torch.enable_grad():
+            parts = u.split([len(m.coordinates) for m in self.maps])
+            sigma = torch.cat([m.transform(part) for m, part in zip(self.maps, parts)])
+            (slope,) = torch.autograd.grad(sigma.sum(), u)
+        return sigma.detach(), slope
+
+    def block_information(
+        self, gradients: torch.Tensor, shares: torch.Tensor, point: torch.Tensor
+    ) -> torch.Tensor:
+        """``h_b`` of blocks from ``grad_lambda f_b`` at ``point`` (``lambda_0``).
+
+        :param gradients: ``(m, P)``.
+        :param shares: ``s_b = |b| / N``, ``(m,)``.
+        :param point: ``(P,)``.
+        :returns: ``(m, K)`` in float64.
+        """
+        sigma, slope = self._scales(point.detach().to(torch.float64)[self.coordinates])
+        gradient = gradients.detach().to(torch.float64)[:, self.coordinates]
+        return (gradient / slope + shares.to(torch.float64)[:, None] / sigma) / sigma
+
+    def record(self, block_ids: torch.Tensor, information: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Average new ``h_b`` into the blocks' stored ones (weight ``2 / (k + 1)`` at the
+        ``k``-th visit); a block whose ``h_b`` is not finite keeps its stored one.
+
+        :returns: the change of ``sum_b h_b`` and the number of blocks seen for the first time
+            (for :meth:`add`, after summing them over processes).
+        """
+        block_ids = block_ids.to(self.visits.device)
+        finite = torch.isfinite(information).all(1)
+        self.non_finite += int((~finite).sum())
+        block_ids, information = block_ids[finite], information[finite]
+        first = int((self.visits[block_ids] == 0).sum())
+        self.visits[block_ids] += 1
+        weight = (2.0 / (self.visits[block_ids] + 1).to(torch.float64))[:, None]
+        old = self.information[block_ids]
+        new = old + weight * (information - old)
+        self.information[block_ids] = new
+        return (new - old).sum(0), first
+
+    def add(self, change: torch.Tensor, first_seen: int) -> None:
+        """Take the change of ``sum_b h_b`` and of the blocks seen (summed over processes)."""
+        self.total += change
+        self.num_seen += first_seen
+
+    def scales_at(self, point: torch.Tensor) -> torch.Tensor | None:
+        """The coordinates' values at the fixed point ``sigma_i = (sum_b h_bi)^(-1/2)``, shape
+        ``(K,)``, in ``point``'s dtype; ``None`` until every block has been seen. A coordinate
+        whose precision is not positive keeps its value in ``point``."""
+        if self.num_seen < len(self.visits):
+            return None
+        u = point.detach().to(torch.float64)[self.coordinates]
+        positive = self.total > 0
+        self.non_positive = int((~positive).sum())
+        target = torch.where(positive, self.total, 1.0).rsqrt()
+        values, start = [], 0
+        for m in self.maps:
+            part = slice(start, start + len(m.coordinates))
+            values.append(m.transform.inv(target[part]))
+            start += len(m.coordinates)
+        return torch.where(positive, torch.cat(values), u).to(point.dtype)
+
+    def state_dict(self) -> dict:
+        return {
+            "params": self.param_names,
+            "information": self.information.clone(),
+            "visits": self.visits.clone(),
+            "total": self.total.clone(),
+            "num_seen": self.num_seen,
+            "non_positive": self.non_positive,
+            "non_finite": self.non_finite,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["params"] != self.param_names or state["information"].shape != self.information.shape:
+            raise ValueError(
+                f"saved PDVI state sets the scale params {state['params']} by their fixed point, "
+                f"this PDVI {self.param_names}: build it with the same guide"
+            )
+        self.information = state["information"].clone().to(self.information)
+        self.visits = state["visits"].clone().to(self.visits)
+        self.total = state["total"].clone().to(self.total)
+        self.num_seen = state["num_seen"]
+        self.non_positive = state["non_positive"]
+        self.non_finite = state["non_finite"]

@@ -1,0 +1,198 @@
+"""The scales of Gaussian global guide sites by the mean-field fixed point (Price's theorem)."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.distributions import constraints
+from pyro.infer import TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoDelta, AutoNormal
+
+from pyro_pdvi import PDVI, GenericSolver
+from pyro_pdvi.infer.params import ParamStoreView
+from pyro_pdvi.infer.scales import find_scale_maps
+from pyro_pdvi.infer.sites import GlobalLayout, find_sites
+
+NUM_DATA = 12
+DIM = 3
+#: Per-datum noise sds: blocks of four sorted from precise to vague data.
+NOISE = torch.linspace(0.3, 3.0, NUM_DATA, dtype=torch.float64)
+DATA = torch.linspace(-2.0, 2.0, NUM_DATA, dtype=torch.float64)[:, None] + torch.arange(DIM)
+PRIOR_SD = 2.0
+BLOCKS = [torch.arange(4 * b, 4 * b + 4) for b in range(3)]
+
+
+def normal_means(idx=None):
+    """``z ~ N(0, PRIOR_SD^2 I)``, ``x_i ~ N(z, NOISE_i^2 I)``: a conjugate model whose mean-field
+    optimum is the exact posterior, precision ``1 / PRIOR_SD^2 + sum_i 1 / NOISE_i^2`` in each coordinate."""
+    z = pyro.sample("z", dist.Normal(torch.zeros(DIM), PRIOR_SD).to_event(1))
+    with pyro.plate("data", NUM_DATA, subsample=idx) as i:
+        pyro.sample("x", dist.Normal(z, NOISE[i, None]).to_event(1), obs=DATA[i])
+
+
+def exact_posterior_sd() -> torch.Tensor:
+    return (PRIOR_SD**-2 + NOISE.pow(-2).sum()).rsqrt().expand(DIM)
+
+
+def _pdvi(model, guide, **options) -> PDVI:
+    return PDVI(model, guide, pyro.optim.Adam({"lr": 0.01}), TraceMeanField_ELBO(), blocks=BLOCKS, **options)
+
+
+def _epochs(pdvi: PDVI, num_epochs: int) -> None:
+    for _ in range(num_epochs):
+        for block in BLOCKS:
+            pdvi.step(block)
+
+
+def test_finds_positive_softplus_and_log_scales_and_rejects_shared_ones():
+    """A scale entry that is one coordinate's own function qualifies (a ``positive`` param, a
+    ``softplus_positive`` one, ``exp(u / 2)`` of a log-variance); one param scaling several entries,
+    a scale of two params, a scale whose coordinate also moves a location, and local sites do not."""
+
+    def guide(idx=None):
+        loc = pyro.param("loc", torch.zeros(DIM))
+        pyro.sample(
+            "a",
+            dist.Normal(
+                loc, pyro.param("a_scale", torch.full((DIM,), 0.5), constraint=constraints.positive)
+            ).to_event(1),
+        )
+        pyro.sample(
+            "b",
+            dist.Normal(loc, pyro.param("b_log_var", torch.tensor([0.1, -0.3, 0.2])).mul(0.5).exp()).to_event(
+                1
+            ),
+        )
+        pyro.sample(
+            "c",
+            dist.Normal(
+                loc, pyro.param("c_scale", torch.full((DIM,), 0.5), constraint=constraints.softplus_positive)
+            ).to_event(1),
+        )
+        shared = pyro.param("shared", torch.tensor(0.5), constraint=constraints.positive)
+        pyro.sample("d", dist.Normal(loc, shared.expand(DIM)).to_event(1))
+        two = pyro.param("e_1", torch.zeros(DIM)).exp() + pyro.param("e_2", torch.zeros(DIM)).exp()
+        pyro.sample("e", dist.Normal(loc, two).to_event(1))
+        f_param = pyro.param("f_param", torch.ones(DIM), constraint=constraints.positive)
+        pyro.sample("f", dist.Normal(f_param, f_param).to_event(1))
+        with pyro.plate("data", NUM_DATA, subsample=idx):
+            pyro.sample("g", dist.Normal(pyro.param("g_loc", torch.zeros(NUM_DATA), event_dim=0), 1.0))
+
+    def model(idx=None):
+        for name in "abcdef":
+            pyro.sample(name, dist.Normal(torch.zeros(DIM), 1.0).to_event(1))
+        with pyro.plate("data", NUM_DATA, subsample=idx) as i:
+            g = pyro.sample("g", dist.Normal(0.0, 1.0))
+            pyro.sample("x", dist.Normal(g, 1.0), obs=DATA[i, 0])
+
+    block = BLOCKS[0]
+    found = find_sites(model, guide, (block,), {}, NUM_DATA, None)
+    layout = GlobalLayout(found.global_sites)
+    point = ParamStoreView(layout, found.local_sites).consensus()
+    maps = {m.site: m for m in find_scale_maps(guide, found.plate, layout, point, block, (), {})}
+    assert sorted(maps) == ["a", "b", "c"]
+    params = {"a": "a_scale", "b": "b_log_var", "c": "c_scale"}
+    for site, param in params.items():
+        coordinates = maps[site].coordinates
+        span = layout.slices[param]
+        assert coordinates.tolist() == list(range(span.start, span.stop))
+        sigma = maps[site].transform(point[coordinates] + 0.3)
+        expected = {
+            "a": (point[coordinates] + 0.3).exp(),
+            "b": (0.5 * (point[coordinates] + 0.3)).exp(),
+            "c": torch.nn.functional.softplus(point[coordinates] + 0.3),
+        }[site]
+        assert torch.allclose(sigma, expected, rtol=1e-12)
+
+
+def test_fixed_point_scales_are_exact_after_one_epoch_of_a_conjugate_model():
+    """With antithetic, moment-matched particles Price's estimate of a quadratic log joint is exact,
+    so once every block has been seen the scales are the exact posterior's (float64), wherever the
+    means are; the primal-dual iteration is still far off then. The held scales' duals stay zero."""
+    guide = AutoNormal(normal_means, init_scale=0.5)
+    pdvi = _pdvi(normal_means, guide)
+    _epochs(pdvi, 1)
+    sd = pyro.param("AutoNormal.scales.z").detach()
+    assert torch.allclose(sd, exact_posterior_sd(), rtol=1e-10)
+    assert pdvi.diagnostics["scale_fixed_point"] == {
+        "params": ["AutoNormal.scales.z"],
+        "non_positive": 0,
+        "non_finite": 0,
+    }
+    span = pdvi.layout.slices["AutoNormal.scales.z"]
+    assert bool((pdvi.state.duals[:, span] == 0).all())
+
+    pyro.clear_param_store()
+    guide = AutoNormal(normal_means, init_scale=0.5)
+    _epochs(_pdvi(normal_means, guide, scale_update="primal_dual"), 1)
+    error = (pyro.param("AutoNormal.scales.z").detach() / exact_posterior_sd() - 1).abs().max()
+    assert error > 0.01
+
+
+def test_fixed_point_run_reaches_the_exact_posterior():
+    """Means by the primal-dual iteration, scales by their fixed point: the exact posterior."""
+    guide = AutoNormal(normal_means, init_scale=0.5)
+    pdvi = _pdvi(normal_means, guide)
+    _epochs(pdvi, 40)
+    precision = PRIOR_SD**-2 + NOISE.pow(-2).sum()
+    mean = (DATA / NOISE[:, None].square()).sum(0) / precision
+    assert torch.allclose(pyro.param("AutoNormal.locs.z").detach(), mean, atol=1e-6)
+    assert torch.allclose(pyro.param("AutoNormal.scales.z").detach(), exact_posterior_sd(), rtol=1e-10)
+
+
+def test_a_precision_that_is_not_positive_leaves_the_scale_where_it_is():
+    """A log joint convex in a latent (here a factor ``+z^2``, stronger than the data) gives no
+    fixed point: the scale stays, and the diagnostics count it."""
+
+    def model(idx=None):
+        normal_means(idx)
+        z = pyro.sample("w", dist.Normal(0.0, 1.0))
+        pyro.factor("convex", 2.0 * z.square())
+
+    guide = AutoNormal(model, init_scale=0.5)
+    pdvi = _pdvi(model, guide)
+    _epochs(pdvi, 1)
+    assert torch.allclose(pyro.param("AutoNormal.scales.w").detach(), torch.tensor(0.5), rtol=1e-12)
+    assert pdvi.diagnostics["scale_fixed_point"]["non_positive"] == 1
+    assert torch.allclose(pyro.param("AutoNormal.scales.z").detach(), exact_posterior_sd(), rtol=1e-10)
+
+
+def test_a_resumed_run_continues_as_the_uninterrupted_one():
+    def run(split: bool) -> torch.Tensor:
+        pyro.clear_param_store()
+        pyro.set_rng_seed(1)
+        guide = AutoNormal(normal_means, init_scale=0.5)
+        pdvi = _pdvi(normal_means, guide)
+        _epochs(pdvi, 2)
+        if split:
+            state, params = pdvi.state_dict(), pyro.get_param_store().get_state()
+            pyro.clear_param_store()
+            pyro.get_param_store().set_state(params)
+            guide = AutoNormal(normal_means, init_scale=0.5)
+            pdvi = _pdvi(normal_means, guide)
+            pdvi.load_state_dict(state)
+        _epochs(pdvi, 1)
+        return pyro.param("AutoNormal.locs.z").detach().clone()
+
+    assert torch.equal(run(split=False), run(split=True))
+
+
+def test_scale_update_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="Invalid scale_update"):
+        _pdvi(normal_means, AutoNormal(normal_means), scale_update="newton")
+
+    class OwnSolver:  # a model's closed-form solver sets every global param itself
+        def solve(self, problem):
+            raise NotImplementedError
+
+    solver = OwnSolver()
+    with pytest.raises(ValueError, match="needs the GenericSolver"):
+        _pdvi(normal_means, AutoNormal(normal_means), scale_update="fixed_point", solver=solver)
+    pdvi = _pdvi(normal_means, AutoDelta(normal_means), scale_update="fixed_point")
+    with pytest.raises(ValueError, match="scale_update='primal_dual'"):
+        pdvi.step(BLOCKS[0])
+    assert pdvi.state is None
+    # "auto" with a guide that has no such site: the primal-dual iteration, silently.
+    pdvi = _pdvi(normal_means, AutoDelta(normal_means), solver=GenericSolver())
+    pdvi.step(BLOCKS[0])
+    assert "scale_fixed_point" not in pdvi.diagnostics
