@@ -127,7 +127,8 @@ def test_pdvi_step_keeps_its_state_on_cuda(blocks_per_step):
 
 def test_generic_step_with_the_categorical_update_keeps_its_state_on_cuda():
     """The default generic solve of the mixture, with the closed-form update of q(z)'s logits
-    (pyro_pdvi.infer.local_cavi), runs on the device and leaves its state there."""
+    (pyro_pdvi.infer.local_cavi) and the scales' fixed point, runs on the device and leaves its
+    state there."""
     data = make_biased_gmm(600, 3, 2, 100, 0.9, seed=3, separation=3.0)
     on_cuda = data.data.to(CUDA)
     gmm = GMMModel(on_cuda, data.prior.to(torch.float64, CUDA))
@@ -137,6 +138,9 @@ def test_generic_step_with_the_categorical_update_keeps_its_state_on_cuda():
     for block in blocks:
         assert isinstance(pdvi.step(block), float)
     assert pdvi._categorical_rows == ("alpha",)
+    # Every block seen: the log-variances were set by their fixed point (pyro_pdvi.infer.scales).
+    assert pdvi.diagnostics["scale_fixed_point"]["params"] == ["rho"]
+    assert pdvi.state_dict()["scales"]["information"].device.type == "cuda"
     assert pdvi.state.consensus.device.type == "cuda"
     for name, value in pyro.get_param_store().named_parameters():
         assert value.device.type == "cuda", name

@@ -149,7 +149,8 @@ def find_scale_maps(
     return [
         found
         for found in maps
-        if torch.allclose(
+        if found.site in moved
+        and torch.allclose(
             moved[found.site][1].detach().reshape(-1),
             found.transform(shifted[found.coordinates]),
             rtol=100 * MAP_TOLERANCE,
