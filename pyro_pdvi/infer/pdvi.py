@@ -242,6 +242,7 @@ class PDVI(StepSizeUpkeep):
         self._stationarity = StationarityTest()
         self._state: ConsensusState | None = None
         self._scales: ScaleFixedPoint | None = None
+        self._held: dict[str, torch.Tensor] = {}
         self._pending_state: dict | None = None
         # Local sites whose rows the solves set in closed form (found at the set-up).
         self._categorical_rows: tuple[str, ...] = ()
@@ -297,6 +298,7 @@ class PDVI(StepSizeUpkeep):
         self._categorical_rows = ()  # none while the check below builds its problem
         self._categorical_rows = self._find_categorical_rows(found, args, kwargs)
         self._scales = self._find_scales(first_blocks, args, kwargs)
+        self._held = self._held_coordinates()
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
@@ -549,14 +551,14 @@ class PDVI(StepSizeUpkeep):
             held=self._held,
         )
 
-    @property
-    def _held(self) -> dict[str, torch.Tensor]:
+    def _held_coordinates(self) -> dict[str, torch.Tensor]:
         """The solves' held coordinates (the scales set by their fixed point), per site."""
         if self._scales is None:
             return {}
         mask = torch.zeros_like(self._state.consensus, dtype=torch.bool)
         mask[self._scales.coordinates] = True
-        return {k: v for k, v in self.layout.unflatten(mask).items() if bool(v.any())}
+        held_sites = {self.layout.site_of(j) for j in self._scales.coordinates.tolist()}
+        return {k: v for k, v in self.layout.unflatten(mask).items() if k in held_sites}
 
     def _draw_seed(self) -> int:
         return int(torch.randint(0, 2**62, (), generator=self._rng))
