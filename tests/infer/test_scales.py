@@ -105,12 +105,14 @@ def test_finds_positive_softplus_and_log_scales_and_rejects_shared_ones():
         assert torch.allclose(sigma, expected, rtol=1e-12)
 
 
-def test_fixed_point_scales_are_exact_after_one_epoch_of_a_conjugate_model():
+@pytest.mark.parametrize("method", ["lbfgs", "optim"])
+def test_fixed_point_scales_are_exact_after_one_epoch_of_a_conjugate_model(method):
     """With antithetic, moment-matched particles Price's estimate of a quadratic log joint is exact,
     so once every block has been seen the scales are the exact posterior's (float64), wherever the
-    means are; the primal-dual iteration is still far off then. The held scales' duals stay zero."""
+    means are; the primal-dual iteration is still far off then. The held scales' duals stay zero
+    (the solves, L-BFGS or the user's optimizer, never move them)."""
     guide = AutoNormal(normal_means, init_scale=0.5)
-    pdvi = _pdvi(normal_means, guide)
+    pdvi = _pdvi(normal_means, guide, solver=GenericSolver(method=method))
     _epochs(pdvi, 1)
     sd = pyro.param("AutoNormal.scales.z").detach()
     assert torch.allclose(sd, exact_posterior_sd(), rtol=1e-10)
