@@ -66,8 +66,6 @@ class StepSolution(NamedTuple):
     :param parts: per group of equal-size blocks, their data indices ``(m_g, s_g)`` and
         new local rows ``(m_g, *rows_shape)``.
     :param seeds: the blocks' noise seeds, in the order of ``block_ids``.
-    :param held_gradients: per group, the solver's ``grad_lambda f_b`` in the held sites
-        (:attr:`~pyro_pdvi.infer.problem.BlockSolution.held_gradient`), or ``None``.
     """
 
     block_ids: torch.Tensor
@@ -75,7 +73,6 @@ class StepSolution(NamedTuple):
     losses: torch.Tensor
     parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
     seeds: list[int]
-    held_gradients: list[dict[str, torch.Tensor] | None]
 
 
 class PDVI(StepSizeUpkeep):
@@ -440,9 +437,8 @@ class PDVI(StepSizeUpkeep):
     ) -> None:
         """After an accepted step, the scales set by their fixed point (:mod:`~pyro_pdvi.infer.scales`):
         put back their values from before the step (the global update moved them with stale
-        copies), record the step's blocks' ``h_b`` (from the solver's gradient at the solve's
-        start, else evaluated at ``lambda_0`` and the new rows, with the step's noise), and set
-        them to the fixed point of every block's."""
+        copies), record the step's blocks' ``h_b`` at the new ``lambda_0`` and rows (the step's
+        noise), and set them to the fixed point of every block's."""
         fixed = self._scales
         if fixed is None:
             return
@@ -450,17 +446,11 @@ class PDVI(StepSizeUpkeep):
         state.consensus[fixed.coordinates] = held
         point = state.consensus.detach()
         gradients, start = [], 0
-        for (indices, rows), held_gradient in zip(solved.parts, solved.held_gradients):
-            if held_gradient is not None:
-                gradient = point.new_zeros(len(indices), len(point))
-                for name, value in held_gradient.items():
-                    gradient[:, self.layout.slices[name]] = value.reshape(len(indices), -1)
-            else:
-                copies = point.expand(len(indices), -1).clone().requires_grad_()
-                seeds = solved.seeds[start : start + len(indices)]
-                f = self._objective.bind(indices, seeds, args, kwargs)(self.layout.unflatten(copies), rows)
-                gradient = torch.autograd.grad(f.sum(), copies)[0]
-            gradients.append(gradient)
+        for indices, rows in solved.parts:
+            copies = point.expand(len(indices), -1).clone().requires_grad_()
+            losses = self._objective.bind(indices, solved.seeds[start : start + len(indices)], args, kwargs)
+            f = losses(self.layout.unflatten(copies), rows)
+            gradients.append(torch.autograd.grad(f.sum(), copies)[0])
             start += len(indices)
         shares = self.partition.sizes[solved.block_ids].to(point) / self.partition.num_data
         information = fixed.block_information(torch.cat(gradients), shares, point)
@@ -511,7 +501,7 @@ class PDVI(StepSizeUpkeep):
     def _solve(self, block_ids: torch.Tensor, seeds: list[int], args: tuple, kwargs: dict) -> StepSolution:
         """Primal solutions of the step's blocks: one problem per group of equal-size blocks."""
         sizes = self.partition.sizes[block_ids]
-        solved_ids, copies, losses, parts, solved_seeds, held_gradients = [], [], [], [], [], []
+        solved_ids, copies, losses, parts, solved_seeds = [], [], [], [], []
         for size in sizes.unique().tolist():
             chosen = (sizes == size).nonzero().reshape(-1)
             ids = block_ids[chosen]
@@ -525,10 +515,7 @@ class PDVI(StepSizeUpkeep):
             copies.append(self.layout.flatten(solution.globals, batch_dims=1))
             losses.append(loss.detach().reshape(-1))
             parts.append((problem.indices, solution.local))
-            held_gradients.append(solution.held_gradient)
-        return StepSolution(
-            torch.cat(solved_ids), torch.cat(copies), torch.cat(losses), parts, solved_seeds, held_gradients
-        )
+        return StepSolution(torch.cat(solved_ids), torch.cat(copies), torch.cat(losses), parts, solved_seeds)
 
     @staticmethod
     def _copies_of(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

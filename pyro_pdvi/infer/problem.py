@@ -125,12 +125,8 @@ class BlockSolution:
     :param local: the new ``phi_b`` for each local site, shaped like ``problem.local``.
     :param loss: ``f_b`` at each solution, shape ``(m,)``, if the solver knows it (else
         PDVI evaluates it).
-    :param held_gradient: ``grad_lambda f_b`` at ``lambda_0`` and the warm-start rows in the held
-        sites (``(m, *site_shape)`` each), if the solver has it (else PDVI evaluates it at the
-        new rows for :mod:`~pyro_pdvi.infer.scales`).
     """
 
     globals: dict[str, torch.Tensor]
     local: dict[str, torch.Tensor]
     loss: torch.Tensor | None = None
-    held_gradient: dict[str, torch.Tensor] | None = None

@@ -15,7 +15,6 @@ torch optimizer is coordinate-wise, so the blocks do not interact).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import replace
 from math import inf
 
@@ -148,12 +147,8 @@ class GenericSolver:
             whitened = {k: parts[k] for k in problem.consensus}
             return problem.whitened_copies(whitened), {k: parts[k] for k in problem.local}
 
-        def augmented_lagrangians(
-            x: torch.Tensor, anchors: dict[str, torch.Tensor] | None = None
-        ) -> torch.Tensor:
+        def augmented_lagrangians(x: torch.Tensor) -> torch.Tensor:
             copies, rows = unpack(x)
-            if anchors:  # zeros added to the held sites' copies, for their gradient at the start
-                copies = {k: v + anchors[k] if k in anchors else v for k, v in copies.items()}
             return problem.losses(copies, rows, vectorize) + problem.penalty(copies)
 
         # On a CPU a host read costs nothing: stop as soon as every block has stopped.
@@ -171,21 +166,17 @@ class GenericSolver:
         # Pyro's "Encountered NaN" warnings from their evaluation would only alarm the user.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Encountered NaN", category=UserWarning)
-            first, held_gradient = None, None
-            if problem.held:
-                first, held_gradient = _start_with_held_gradient(augmented_lagrangians, start, problem)
             result = batched_lbfgs(
                 augmented_lagrangians,
                 start,
                 self.inner_steps,
                 check_every=check_every,
                 box=None if self.trust is None else box,
-                start=first,
             )
         with torch.no_grad():
             copies, rows = unpack(result.x)
             losses = result.value - problem.penalty(copies)
-        return BlockSolution(copies, rows, losses, held_gradient)
+        return BlockSolution(copies, rows, losses)
 
     def _solve_by_optim(self, problem: BlockProblem, vectorize: bool) -> BlockSolution:
         optim = problem.optim
@@ -210,22 +201,6 @@ class GenericSolver:
         return BlockSolution(
             {k: v.detach() for k, v in copies.items()}, {k: v.detach() for k, v in rows.items()}, losses
         )
-
-
-def _start_with_held_gradient(
-    objective: Callable[..., torch.Tensor], start: torch.Tensor, problem: BlockProblem
-) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]:
-    """The augmented Lagrangians and their gradient at the L-BFGS start, and the gradient of the
-    blocks' ``f_b`` in the held sites there (at ``lambda_0`` the penalty's gradient is ``mu_b``,
-    zero in the held coordinates), from one evaluation (:mod:`~pyro_pdvi.infer.scales`)."""
-    with torch.enable_grad():
-        leaf = start.detach().requires_grad_()
-        anchors = {k: torch.zeros_like(problem.dual[k], requires_grad=True) for k in problem.held}
-        value = objective(leaf, anchors)
-        grads = torch.autograd.grad(value.sum(), [leaf, *anchors.values()], allow_unused=True)
-    zero = [torch.zeros_like(t) for t in (leaf, *anchors.values())]
-    grads = [z if g is None else g for g, z in zip(grads, zero)]
-    return (value.detach(), grads[0]), dict(zip(anchors, grads[1:]))
 
 
 def _optim_args(optim: PyroOptim, site: str) -> dict:

@@ -143,7 +143,6 @@ def batched_lbfgs(
     max_backtracks: int = 30,
     check_every: int | None = None,
     box: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    start: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> BatchedLBFGSResult:
     """Minimise ``m`` separable objectives at once, one L-BFGS per block (module docstring).
 
@@ -164,8 +163,6 @@ def batched_lbfgs(
     :param box: ``box(g0) -> w``, half-widths ``(m, p)`` (``inf`` or NaN: unbounded) of a
         box ``|x - x0| <= w`` around the start, from the gradient there: every trial point is
         clipped into it, and Armijo's test uses the clipped step.
-    :param start: the values ``(m,)`` and gradients ``(m, p)`` at ``x0`` where the caller has
-        evaluated them already (they are not evaluated again and not counted).
     :returns: the :class:`BatchedLBFGSResult`.
     """
     if x0.dim() != 2:
@@ -191,8 +188,8 @@ def batched_lbfgs(
         return value.detach(), grad if grad is not None else torch.zeros_like(leaf)
 
     x = x0.detach().clone()
-    value, grad = evaluate(x) if start is None else (start[0].detach(), start[1].detach())
-    evaluations = int(start is None)
+    value, grad = evaluate(x)
+    evaluations = 1
     device, dtype = x.device, x.dtype
     steps = x.new_zeros(m, history_size, p)
     grad_changes = x.new_zeros(m, history_size, p)
