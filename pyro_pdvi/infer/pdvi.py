@@ -455,11 +455,9 @@ class PDVI(StepSizeUpkeep):
         shares = self.partition.sizes[solved.block_ids].to(point) / self.partition.num_data
         information = fixed.block_information(torch.cat(gradients), shares, point)
         change, first = fixed.record(solved.block_ids, information)
-        summed = self._all_reduce(torch.cat([change, change.new_tensor([first])]))
-        fixed.add(summed[:-1], int(summed[-1]))
-        values = fixed.scales_at(point)
-        if values is not None:
-            state.consensus[fixed.coordinates] = values
+        summed = self._all_reduce(torch.cat([change, first.reshape(1).to(change)]))
+        fixed.add(summed[:-1], summed[-1])
+        state.consensus[fixed.coordinates] = fixed.scales_at(point)
         self._params.write_consensus(state.consensus)
         self.diagnostics["scale_fixed_point"] = {
             "params": fixed.param_names,

@@ -213,11 +213,12 @@ class ScaleFixedPoint:
         self.visits = torch.zeros(num_blocks, dtype=torch.long, device=point.device)
         #: ``sum_b h_bi`` over every process's blocks.
         self.total = point.new_zeros(size, dtype=torch.float64)
-        self.num_seen = 0
+        # Counters are device tensors: a step reads nothing on the host.
+        self.num_seen = torch.zeros((), dtype=torch.long, device=point.device)
         #: How many coordinates had no positive precision at the last update (left as they were).
-        self.non_positive = 0
+        self.non_positive = torch.zeros((), dtype=torch.long, device=point.device)
         #: How often a block's ``h_b`` was not finite (its previous one kept).
-        self.non_finite = 0
+        self.non_finite = torch.zeros((), dtype=torch.long, device=point.device)
 
     @property
     def param_names(self) -> list[str]:
@@ -247,7 +248,7 @@ class ScaleFixedPoint:
         gradient = gradients.detach().to(torch.float64)[:, self.coordinates]
         return (gradient / slope + shares.to(torch.float64)[:, None] / sigma) / sigma
 
-    def record(self, block_ids: torch.Tensor, information: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def record(self, block_ids: torch.Tensor, information: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Average new ``h_b`` into the blocks' stored ones (weight ``2 / (k + 1)`` at the
         ``k``-th visit); a block whose ``h_b`` is not finite keeps its stored one.
 
@@ -256,37 +257,35 @@ class ScaleFixedPoint:
         """
         block_ids = block_ids.to(self.visits.device)
         finite = torch.isfinite(information).all(1)
-        self.non_finite += int((~finite).sum())
-        block_ids, information = block_ids[finite], information[finite]
-        first = int((self.visits[block_ids] == 0).sum())
-        self.visits[block_ids] += 1
-        weight = (2.0 / (self.visits[block_ids] + 1).to(torch.float64))[:, None]
+        self.non_finite = self.non_finite + (~finite).sum()
+        first = ((self.visits[block_ids] == 0) & finite).sum()
+        self.visits[block_ids] += finite.long()
+        weight = torch.where(finite, 2.0 / (self.visits[block_ids] + 1).to(torch.float64), 0.0)[:, None]
         old = self.information[block_ids]
-        new = old + weight * (information - old)
+        new = old + weight * (torch.where(finite[:, None], information, 0.0) - old)
         self.information[block_ids] = new
         return (new - old).sum(0), first
 
-    def add(self, change: torch.Tensor, first_seen: int) -> None:
+    def add(self, change: torch.Tensor, first_seen: torch.Tensor) -> None:
         """Take the change of ``sum_b h_b`` and of the blocks seen (summed over processes)."""
         self.total += change
-        self.num_seen += first_seen
+        self.num_seen = self.num_seen + first_seen.round().long()
 
-    def scales_at(self, point: torch.Tensor) -> torch.Tensor | None:
+    def scales_at(self, point: torch.Tensor) -> torch.Tensor:
         """The coordinates' values at the fixed point ``sigma_i = (sum_b h_bi)^(-1/2)``, shape
-        ``(K,)``, in ``point``'s dtype; ``None`` until every block has been seen. A coordinate
-        whose precision is not positive keeps its value in ``point``."""
-        if self.num_seen < len(self.visits):
-            return None
+        ``(K,)``, in ``point``'s dtype: their values in ``point`` until every block has been seen,
+        and where the precision is not positive."""
         u = point.detach().to(torch.float64)[self.coordinates]
+        ready = self.num_seen >= len(self.visits)
         positive = self.total > 0
-        self.non_positive = int((~positive).sum())
+        self.non_positive = torch.where(ready, (~positive).sum(), 0)
         target = torch.where(positive, self.total, 1.0).rsqrt()
         values, start = [], 0
         for m in self.maps:
             part = slice(start, start + len(m.coordinates))
             values.append(m.transform.inv(target[part]))
             start += len(m.coordinates)
-        return torch.where(positive, torch.cat(values), u).to(point.dtype)
+        return torch.where(ready & positive, torch.cat(values), u).to(point.dtype)
 
     def state_dict(self) -> dict:
         return {
@@ -308,6 +307,5 @@ class ScaleFixedPoint:
         self.information = state["information"].clone().to(self.information)
         self.visits = state["visits"].clone().to(self.visits)
         self.total = state["total"].clone().to(self.total)
-        self.num_seen = state["num_seen"]
-        self.non_positive = state["non_positive"]
-        self.non_finite = state["non_finite"]
+        for key in ("num_seen", "non_positive", "non_finite"):
+            setattr(self, key, torch.as_tensor(state[key]).to(self.visits))
