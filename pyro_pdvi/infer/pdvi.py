@@ -66,6 +66,9 @@ class StepSolution(NamedTuple):
     :param parts: per group of equal-size blocks, their data indices ``(m_g, s_g)`` and
         new local rows ``(m_g, *rows_shape)``.
     :param seeds: the blocks' noise seeds, in the order of ``block_ids``.
+    :param held_gradients: the gradient of ``f_b`` in the held coordinates at the solutions, flat,
+        shape ``(m, P)`` (zero elsewhere), where every solve of the step returned it
+        (:attr:`~pyro_pdvi.infer.problem.BlockSolution.held_gradients`), else ``None``.
     """
 
     block_ids: torch.Tensor
@@ -73,6 +76,7 @@ class StepSolution(NamedTuple):
     losses: torch.Tensor
     parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
     seeds: list[int]
+    held_gradients: torch.Tensor | None = None
 
 
 class PDVI(StepSizeUpkeep):
@@ -158,7 +162,8 @@ class PDVI(StepSizeUpkeep):
         and at least one site whose scale entries are each one param coordinate's
         (``AutoNormal``'s, a ``positive`` or log-scale param's), else the primal-dual iteration
         (``docs/benchmarks.md`` 13i: standard deviations 3-43x closer on the five small models of
-        the generic suite, for one more model call per step).
+        the generic suite; each block's share comes from the gradient at its solution, which the
+        solver hands on, so it costs no model call: 13j).
         The loss must be a negative ELBO for the fixed point to be the optimum's.
     :param plate_name: name of the data plate, if several plates have size N.
     """
@@ -437,23 +442,20 @@ class PDVI(StepSizeUpkeep):
     ) -> None:
         """After an accepted step, the scales set by their fixed point (:mod:`~pyro_pdvi.infer.scales`):
         put back their values from before the step (the global update moved them with stale
-        copies), record the step's blocks' ``h_b`` at the new ``lambda_0`` and rows (the step's
-        noise), and set them to the fixed point of every block's."""
+        copies), record the step's blocks' ``h_b`` at their solutions (the gradient the solver
+        handed on: the block's new ``lambda_b`` and rows, the step's noise, the scales held at
+        ``lambda_0``) and set the scales to the fixed point of every block's."""
         fixed = self._scales
         if fixed is None:
             return
         state = self._state
         state.consensus[fixed.coordinates] = held
         point = state.consensus.detach()
-        gradients, start = [], 0
-        for indices, rows in solved.parts:
-            copies = point.expand(len(indices), -1).clone().requires_grad_()
-            losses = self._objective.bind(indices, solved.seeds[start : start + len(indices)], args, kwargs)
-            f = losses(self.layout.unflatten(copies), rows)
-            gradients.append(torch.autograd.grad(f.sum(), copies)[0])
-            start += len(indices)
+        gradients = solved.held_gradients
+        if gradients is None:
+            gradients = self._gradients_at(point, solved, args, kwargs)
         shares = self.partition.sizes[solved.block_ids].to(point) / self.partition.num_data
-        information = fixed.block_information(torch.cat(gradients), shares, point)
+        information = fixed.block_information(gradients, shares, point)
         change, first = fixed.record(solved.block_ids, information)
         summed = self._all_reduce(torch.cat([change, first.reshape(1).to(change)]))
         fixed.add(summed[:-1], summed[-1])
@@ -464,6 +466,20 @@ class PDVI(StepSizeUpkeep):
             "non_positive": fixed.non_positive,
             "non_finite": fixed.non_finite,
         }
+
+    def _gradients_at(
+        self, point: torch.Tensor, solved: StepSolution, args: tuple, kwargs: dict
+    ) -> torch.Tensor:
+        """``grad_lambda f_b`` of the step's blocks at ``point`` and their new rows, with the step's
+        noise, shape ``(m, P)``: one more evaluation, for a solver that did not hand it on."""
+        gradients, start = [], 0
+        for indices, rows in solved.parts:
+            copies = point.expand(len(indices), -1).clone().requires_grad_()
+            losses = self._objective.bind(indices, solved.seeds[start : start + len(indices)], args, kwargs)
+            f = losses(self.layout.unflatten(copies), rows)
+            gradients.append(torch.autograd.grad(f.sum(), copies)[0])
+            start += len(indices)
+        return torch.cat(gradients)
 
     def _halve_after_refusal(self, error: NonFiniteStepError) -> None:
         """Halve every step size for the retry of a refused step (``lambda_0`` moves with
@@ -499,7 +515,7 @@ class PDVI(StepSizeUpkeep):
     def _solve(self, block_ids: torch.Tensor, seeds: list[int], args: tuple, kwargs: dict) -> StepSolution:
         """Primal solutions of the step's blocks: one problem per group of equal-size blocks."""
         sizes = self.partition.sizes[block_ids]
-        solved_ids, copies, losses, parts, solved_seeds = [], [], [], [], []
+        solved_ids, copies, losses, parts, solved_seeds, held_gradients = [], [], [], [], [], []
         for size in sizes.unique().tolist():
             chosen = (sizes == size).nonzero().reshape(-1)
             ids = block_ids[chosen]
@@ -513,7 +529,18 @@ class PDVI(StepSizeUpkeep):
             copies.append(self.layout.flatten(solution.globals, batch_dims=1))
             losses.append(loss.detach().reshape(-1))
             parts.append((problem.indices, solution.local))
-        return StepSolution(torch.cat(solved_ids), torch.cat(copies), torch.cat(losses), parts, solved_seeds)
+            if solution.held_gradients is not None:
+                every_site = {k: torch.zeros_like(v) for k, v in solution.globals.items()}
+                every_site.update(solution.held_gradients)
+                held_gradients.append(self.layout.flatten(every_site, batch_dims=1))
+        return StepSolution(
+            torch.cat(solved_ids),
+            torch.cat(copies),
+            torch.cat(losses),
+            parts,
+            solved_seeds,
+            torch.cat(held_gradients) if len(held_gradients) == len(parts) else None,
+        )
 
     @staticmethod
     def _copies_of(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -125,8 +125,13 @@ class BlockSolution:
     :param local: the new ``phi_b`` for each local site, shaped like ``problem.local``.
     :param loss: ``f_b`` at each solution, shape ``(m,)``, if the solver knows it (else
         PDVI evaluates it).
+    :param held_gradients: for the sites of ``problem.held``, the gradient of ``f_b`` in the held
+        coordinates at each solution, shape ``(m, *site_shape)`` (zero elsewhere), if the solver
+        knows it (else PDVI evaluates it for :mod:`~pyro_pdvi.infer.scales`); a block's entries
+        are NaN where the solver lost track of it.
     """
 
     globals: dict[str, torch.Tensor]
     local: dict[str, torch.Tensor]
     loss: torch.Tensor | None = None
+    held_gradients: dict[str, torch.Tensor] | None = None

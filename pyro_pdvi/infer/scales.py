@@ -9,9 +9,11 @@ the log joint seen from ``z`` (the transform's Jacobian included). So at the mea
 
 a sum over the blocks, ``s_b = |b| / N`` block ``b``'s share of the global terms of ``f_b``
 (:mod:`~pyro_pdvi.infer.objective`), and ``h_bi`` needs only the gradient of ``f_b``, at no
-Hessian. :class:`ScaleFixedPoint` keeps each block's ``h_bi``, refreshed at every visit and
-averaged over its visits with weights growing linearly (``2 / (k + 1)`` for the ``k``-th visit:
-the Monte Carlo noise averages out while the bias of early visits fades as ``1 / k^2``), and
+Hessian. :class:`ScaleFixedPoint` keeps each block's ``h_bi``, refreshed at every visit (from the
+gradient at the block's solution, which the :class:`~pyro_pdvi.infer.solvers.GenericSolver` hands
+on from its last accepted evaluation: no extra model call) and averaged over its visits with
+weights growing linearly (``2 / (k + 1)`` for the ``k``-th visit: the Monte Carlo noise averages
+out while the bias of early visits fades as ``1 / k^2``), and
 sets every such scale to ``(sum_b h_bi)^(-1/2)`` after each step once every block has been seen.
 The solves hold these coordinates at ``lambda_0`` (no copy, no dual moves them): the primal-dual
 iteration runs on the locations and the other params. This is the variance-reduced

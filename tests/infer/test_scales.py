@@ -198,3 +198,61 @@ def test_scale_update_refuses_what_it_cannot_do():
     pdvi = _pdvi(normal_means, AutoDelta(normal_means), solver=GenericSolver())
     pdvi.step(BLOCKS[0])
     assert "scale_fixed_point" not in pdvi.diagnostics
+
+
+def poisson_effects(idx=None):
+    """``z ~ N(0, I)``, ``theta_i ~ N(0, 1)``, ``x_i ~ Poisson(exp(z + theta_i))``: the scale's
+    share ``h_b`` depends on the location of ``z`` and on the rows of ``theta``."""
+    z = pyro.sample("z", dist.Normal(torch.zeros(DIM), 1.0).to_event(1))
+    with pyro.plate("data", NUM_DATA, subsample=idx) as i:
+        theta = pyro.sample("theta", dist.Normal(torch.zeros(()), 1.0))
+        pyro.sample(
+            "x",
+            dist.Poisson((z.unsqueeze(-2) + theta.unsqueeze(-1)).exp()).to_event(1),
+            obs=DATA[i].abs().round(),
+        )
+
+
+def poisson_guide(model):
+    return AutoNormal(
+        model, init_scale=0.5, create_plates=lambda idx=None: pyro.plate("data", NUM_DATA, subsample=idx)
+    )
+
+
+@pytest.mark.parametrize("method", ["lbfgs", "optim"])
+def test_the_solve_hands_on_the_held_gradient_at_its_solution(method):
+    """The solver returns ``grad f_b`` in the held scale coordinates at each block's solution (its
+    new copies and rows, the step's noise): what one more evaluation there gives, so the fixed
+    point needs no extra model call; zero in every other coordinate."""
+    pdvi = _pdvi(poisson_effects, poisson_guide(poisson_effects), solver=GenericSolver(method=method))
+    _epochs(pdvi, 1)  # duals and rows away from their start
+    blocks = torch.tensor([0, 2])
+    problem = pdvi._problem(blocks, pdvi._block_seeds(blocks), (), {})
+    solution = pdvi.solver.solve(problem)
+    copies = {k: v.clone().requires_grad_() for k, v in solution.globals.items()}
+    f = problem.losses(copies, solution.local)
+    name = "AutoNormal.scales.z"
+    (expected,) = torch.autograd.grad(f.sum(), copies[name])
+    assert set(solution.held_gradients) == {name}
+    assert problem.held[name].all()
+    assert expected.abs().amax() > 1e-2  # a gradient worth comparing
+    assert torch.allclose(solution.held_gradients[name], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_the_fixed_point_costs_no_model_call_beyond_the_solve():
+    """A step with the scales' fixed point calls the model as often as a step without it."""
+    calls = []
+
+    def counted(idx=None):
+        calls.append(1)
+        return poisson_effects(idx)
+
+    per_step = {}
+    for update in ("fixed_point", "primal_dual"):
+        pyro.clear_param_store()
+        pdvi = _pdvi(counted, poisson_guide(counted), scale_update=update)
+        _epochs(pdvi, 1)  # set-up and first visits out of the way
+        calls.clear()
+        _epochs(pdvi, 1)
+        per_step[update] = len(calls) / len(BLOCKS)
+    assert per_step["fixed_point"] == per_step["primal_dual"]

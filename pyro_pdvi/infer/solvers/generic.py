@@ -147,8 +147,11 @@ class GenericSolver:
             whitened = {k: parts[k] for k in problem.consensus}
             return problem.whitened_copies(whitened), {k: parts[k] for k in problem.local}
 
+        tape = HeldGradientTape(problem.held)
+
         def augmented_lagrangians(x: torch.Tensor) -> torch.Tensor:
             copies, rows = unpack(x)
+            tape.watch(x, copies)
             return problem.losses(copies, rows, vectorize) + problem.penalty(copies)
 
         # On a CPU a host read costs nothing: stop as soon as every block has stopped.
@@ -176,7 +179,7 @@ class GenericSolver:
         with torch.no_grad():
             copies, rows = unpack(result.x)
             losses = result.value - problem.penalty(copies)
-        return BlockSolution(copies, rows, losses)
+        return BlockSolution(copies, rows, losses, tape.at(result.x))
 
     def _solve_by_optim(self, problem: BlockProblem, vectorize: bool) -> BlockSolution:
         optim = problem.optim
@@ -197,10 +200,69 @@ class GenericSolver:
             (problem.losses(copies, rows, vectorize) + problem.penalty(copies)).sum().backward()
             inner.step()
             problem.hold(copies)
-        losses = problem.losses(copies, rows, vectorize).detach()
+        losses = problem.losses(copies, rows, vectorize)
+        held_gradients = None
+        if problem.held:
+            held = list(problem.held)
+            gradients = torch.autograd.grad(losses.sum(), [copies[k] for k in held], allow_unused=True)
+            held_gradients = {
+                k: torch.zeros_like(copies[k]) if g is None else g.masked_fill(~problem.held[k], 0.0)
+                for k, g in zip(held, gradients)
+            }
         return BlockSolution(
-            {k: v.detach() for k, v in copies.items()}, {k: v.detach() for k, v in rows.items()}, losses
+            {k: v.detach() for k, v in copies.items()},
+            {k: v.detach() for k, v in rows.items()},
+            losses.detach(),
+            held_gradients,
         )
+
+
+class HeldGradientTape:
+    """The gradient of the blocks' objective in the held coordinates (``problem.held``) at each
+    evaluation of an L-BFGS solve, kept with the point evaluated, so that the one at every block's
+    solution can be handed on: the scales' fixed point (:mod:`~pyro_pdvi.infer.scales`) reads the
+    blocks' ``h_b`` from it without another model call. The solve itself sees a zero gradient
+    there (the coordinates stay at ``lambda_0``); the penalty adds the held duals, which are zero.
+
+    :param held: the problem's held masks, per global site.
+    """
+
+    def __init__(self, held: dict[str, torch.Tensor]) -> None:
+        self.held = held
+        self.points: list[torch.Tensor] = []
+        self.gradients: list[dict[str, torch.Tensor]] = []
+
+    def watch(self, x: torch.Tensor, copies: dict[str, torch.Tensor]) -> None:
+        """Record, when the gradient of this evaluation at ``x`` is taken, its held part."""
+        if not self.held:
+            return
+        entry: dict[str, torch.Tensor] = {}
+        self.points.append(x.detach())
+        self.gradients.append(entry)
+        for name, mask in self.held.items():
+
+            def keep(grad: torch.Tensor, name: str = name, mask: torch.Tensor = mask) -> None:
+                entry[name] = grad.detach().masked_fill(~mask, 0.0)
+
+            copies[name].register_hook(keep)
+
+    def at(self, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The recorded gradients at each block's row of ``x`` (an evaluated point), NaN for a
+        block whose point was not evaluated with a gradient; ``None`` with nothing held."""
+        complete = [e for e, entry in enumerate(self.gradients) if len(entry) == len(self.held)]
+        if not self.held or not complete:
+            return None
+        match = torch.stack([(self.points[e] == x).all(1) for e in complete])  # (E, m)
+        order = torch.arange(1, len(complete) + 1, device=x.device)[:, None]
+        latest = (match * order).argmax(0)  # the last evaluation at each block's point
+        blocks = torch.arange(x.shape[0], device=x.device)
+        found = match.any(0)
+        chosen = {}
+        for name in self.held:
+            stacked = torch.stack([self.gradients[e][name] for e in complete])[latest, blocks]
+            shape = (-1,) + (1,) * (stacked.dim() - 1)
+            chosen[name] = torch.where(found.reshape(shape), stacked, torch.nan)
+        return chosen
 
 
 def _optim_args(optim: PyroOptim, site: str) -> dict:
