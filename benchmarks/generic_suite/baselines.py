@@ -12,7 +12,7 @@ user's ELBO unchanged, as issue 13 asks. Only PDVI's public, common-case API is 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyro
 import pyro.optim
@@ -22,6 +22,16 @@ from pyro.infer import SVI
 from pyro_pdvi import PDVI, AutoStepSize, GenericSolver
 
 from .models import Problem
+
+
+class ExtraCallSolver(GenericSolver):
+    """The default solve, without handing on the gradient in the held scale coordinates: PDVI then
+    reads each block's share of the scales' precisions from one more model call, as in 13i (for a
+    before/after inside one run, 13j)."""
+
+    def solve(self, problem):
+        return replace(super().solve(problem), held_gradients=None)
+
 
 #: Suite-level key of a PDVI configuration: the user's ELBO with this many vectorized particles.
 PARTICLES = "particles"
@@ -47,6 +57,10 @@ PDVI_CONFIGS: dict[str, dict] = {
     # The scales of Gaussian global sites moved by the primal-dual iteration, the default before
     # their fixed point (13i), for a before/after inside one run.
     "scale_pd": {"scale_update": "primal_dual"},
+    # The scales' fixed point from one more model call per step, 13i's engine (13j).
+    "extra_call": {"solver": ExtraCallSolver()},
+    # The paper's global update after the warm-up too (13j: the random-effects model's lever).
+    "paper": {"global_update": "paper"},
     # P2D-VI: one automatic step size per global site, by the curvature rule.
     "per_site": {"groups": "per_site", "eta": AutoStepSize(rule="curvature")},
     # The issue's best hand setting on the logistic regression.
