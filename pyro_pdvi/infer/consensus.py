@@ -29,7 +29,11 @@ With ``H = diag(step_sizes)`` (``D = H^{-1}`` in the augmented Lagrangian):
     and which the paper's rule would hand over with a stale dual at every step: the runaway of
     ``docs/benchmarks.md`` 13d) counts for little, and the coordinate is averaged over the
     blocks, as under the consensus rule. A coordinate no block is measured to inform takes the
-    consensus rule.
+    consensus rule. A coordinate whose information at most :data:`CONCENTRATED_BLOCKS` blocks
+    hold (effective number ``(sum_b c_bj)^2 / sum_b c_bj^2``, over every block once all are
+    measured: a group's random effect, which only its group's block informs) always takes the
+    paper's rule: averaging the copies there pulls it back to where it was before its own
+    block's last move (``docs/benchmarks.md`` 13j).
 
   :class:`~pyro_pdvi.PDVI` may switch the rule between steps (its
   ``global_update="auto"``); the state is the same for all.
@@ -53,6 +57,10 @@ GLOBAL_UPDATES = ("consensus", "paper", "weighted")
 #: (``docs/benchmarks.md`` 13e: 0.2 against 0.5 gave the scale regression 30x closer means, and
 #: PPCA, the logistic regression and the random-effects model smaller errors).
 INFORMED_FRACTION = 0.2
+
+#: The weighted rule follows the step's copy (the paper's rule) in a coordinate that at most this
+#: many blocks inform, by the effective number ``(sum_b c_bj)^2 / sum_b c_bj^2`` (13j).
+CONCENTRATED_BLOCKS = 2.0
 
 
 class ConsensusUpdate(NamedTuple):
@@ -98,6 +106,9 @@ class ConsensusState:
         #: (zero until measured).
         self.information = torch.zeros_like(self.duals)
         self.information_total = torch.zeros_like(self.consensus)
+        #: Where at most :data:`CONCENTRATED_BLOCKS` blocks inform a coordinate (once every block
+        #: is measured).
+        self.concentrated = torch.zeros_like(self.consensus, dtype=torch.bool)
         self.num_measured = torch.zeros((), dtype=torch.long, device=consensus.device)
         #: Which blocks have had a step, the sum of their copies and their number: the mean of
         #: the consensus and weighted rules leaves out the copies of blocks not yet visited (the
@@ -116,21 +127,28 @@ class ConsensusState:
         # Kept, not summed at every step: (n, P) can be large.
         self.information_total = self.information.sum(0)
         self.num_measured = (self.information.sum(1) > 0).sum()
+        total = self.information_total
+        effective_blocks = total.square() / self.information.square().sum(0).clamp(
+            min=torch.finfo(total.dtype).tiny
+        )
+        self.concentrated = (
+            (total > 0) & (effective_blocks <= CONCENTRATED_BLOCKS) & (self.num_measured == self.num_blocks)
+        )
 
     def information_share(
         self, step_information: torch.Tensor, num_step_blocks: torch.Tensor
     ) -> torch.Tensor:
         """``w_j`` of the weighted rule (module docstring): 1 where the step's blocks hold at least
         :data:`INFORMED_FRACTION` of an average measured block's information about coordinate
-        ``j`` (each), else their share ``sum_{b in S} c_bj / sum_b c_bj`` (0 where no block is
-        measured to inform it).
+        ``j`` (each), and wherever at most :data:`CONCENTRATED_BLOCKS` blocks inform it; else their
+        share ``sum_{b in S} c_bj / sum_b c_bj`` (0 where no block is measured to inform it).
 
         :param step_information: ``sum_{b in S} c_bj``, shape ``(P,)``.
         :param num_step_blocks: ``|S|``.
         """
         total = self.information_total
         share = torch.where(total > 0, step_information / total, 0.0).clamp(0.0, 1.0)
-        informed = share * self.num_measured >= INFORMED_FRACTION * num_step_blocks
+        informed = (share * self.num_measured >= INFORMED_FRACTION * num_step_blocks) | self.concentrated
         return torch.where(informed, 1.0, share)
 
     @property

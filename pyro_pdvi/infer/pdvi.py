@@ -126,7 +126,9 @@ class PDVI(StepSizeUpkeep):
         over the blocks), ``"weighted"`` (per coordinate, by how much the step's blocks inform
         it, measured once per block: the paper's rule where they hold at least a fifth of an
         average block's information, else their copy weighed by their share, so that a
-        coordinate they barely inform is averaged over the blocks) or ``"auto"`` (default): the
+        coordinate they barely inform is averaged over the blocks; a coordinate that about one
+        block informs, such as a group's random effect, takes the paper's rule whichever block
+        steps: ``docs/benchmarks.md`` 13j) or ``"auto"`` (default): the
         paper's rule for a deterministic solve (a solver other than
         :class:`~pyro_pdvi.infer.solvers.GenericSolver`, or a guide without Monte Carlo sites),
         else the paper's rule for ``warmup_epochs`` epochs and the weighted rule after

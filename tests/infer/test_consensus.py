@@ -63,6 +63,32 @@ def test_weighted_rule_moves_each_coordinate_by_its_blocks_share_of_the_informat
         assert torch.equal(update.consensus, torch.ones(4))
 
 
+def test_weighted_rule_follows_the_step_in_a_coordinate_that_one_block_informs():
+    """Coordinate 0 is informed by block 0 (a group's effect) and by the others through a prior
+    share a five-hundredth as large; coordinate 1 by every block, block 0 a tenth as much. Once every
+    block is measured, coordinate 0 counts as concentrated (effective number of blocks about 1):
+    a step on block 1, which barely informs it, still takes block 1's copy there (the paper's
+    rule), while coordinate 1 weighs block 0's copy by its share. Before every block is measured
+    nothing is concentrated."""
+    information = torch.tensor([[5.0, 0.2], [0.01, 2.0], [0.01, 2.0], [0.01, 2.0]])
+    state = ConsensusState(torch.zeros(2), num_blocks=4, step_sizes=torch.ones(2), global_update="weighted")
+    state.set_information(torch.arange(3), information[:3])
+    assert not state.concentrated.any()
+    state.set_information(torch.arange(4), information)
+    assert state.concentrated.tolist() == [True, False]
+    state.apply(state.propose(torch.arange(4), torch.zeros(4, 2)))  # every block visited, at 0
+    state.apply(state.propose(torch.tensor([1]), torch.tensor([[3.0, 0.0]])))
+    h = state.step_sizes * state.duals.mean(0)
+    assert torch.allclose(state.consensus[0], 3.0 + h[0], atol=1e-12)
+    before = state.consensus.clone()
+    state.apply(state.propose(torch.tensor([0]), torch.tensor([[0.0, 4.0]])))
+    w = 0.2 / 6.2
+    visited_mean = state.copies.mean(0)
+    h = state.step_sizes * state.duals.mean(0)
+    assert torch.allclose(state.consensus[1], w * 4.0 + (1 - w) * visited_mean[1] + h[1], atol=1e-12)
+    assert not torch.equal(state.consensus, before)
+
+
 def test_changing_step_sizes_moves_consensus_with_h():
     state = ConsensusState(torch.zeros(2), num_blocks=2, step_sizes=torch.ones(2))
     state.apply(state.propose(torch.tensor([0]), torch.tensor([[1.0, 2.0]])))
