@@ -239,11 +239,12 @@ class ScaleFixedPoint:
     def block_information(
         self, gradients: torch.Tensor, shares: torch.Tensor, point: torch.Tensor
     ) -> torch.Tensor:
-        """``h_b`` of blocks from ``grad_lambda f_b`` at ``point`` (``lambda_0``).
+        """``h_b`` of blocks from ``grad_lambda f_b`` at points whose scale coordinates are
+        ``point``'s (the block's solution, where the solves hold them at ``lambda_0``).
 
-        :param gradients: ``(m, P)``.
+        :param gradients: ``(m, P)`` (only the scale coordinates are read).
         :param shares: ``s_b = |b| / N``, ``(m,)``.
-        :param point: ``(P,)``.
+        :param point: ``lambda_0``, ``(P,)``.
         :returns: ``(m, K)`` in float64.
         """
         sigma, slope = self._scales(point.detach().to(torch.float64)[self.coordinates])

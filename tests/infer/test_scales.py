@@ -223,7 +223,7 @@ def poisson_guide(model):
 def test_the_solve_hands_on_the_held_gradient_at_its_solution(method):
     """The solver returns ``grad f_b`` in the held scale coordinates at each block's solution (its
     new copies and rows, the step's noise): what one more evaluation there gives, so the fixed
-    point needs no extra model call; zero in every other coordinate."""
+    point needs no extra model call. Only the held sites are handed on."""
     pdvi = _pdvi(poisson_effects, poisson_guide(poisson_effects), solver=GenericSolver(method=method))
     _epochs(pdvi, 1)  # duals and rows away from their start
     blocks = torch.tensor([0, 2])
