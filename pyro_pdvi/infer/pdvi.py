@@ -775,6 +775,19 @@ class PDVI(StepSizeUpkeep):
         return None if self._state is None else self._solve_loss
 
     @property
+    def concentrated_sites(self) -> dict[str, int]:
+        """The global sites with coordinates that about one block informs (at most
+        :data:`~pyro_pdvi.infer.consensus.CONCENTRATED_BLOCKS` blocks by the effective number of
+        informing blocks, known once every block has had a step; a group's random effect with one
+        block per group), and how many each has. Empty before every block was measured, or with
+        no such coordinate."""
+        if self._state is None:
+            return {}
+        concentrated = self._state.concentrated
+        counts = {name: int(concentrated[span].sum()) for name, span in self.layout.slices.items()}
+        return {name: count for name, count in counts.items() if count}
+
+    @property
     def state(self) -> ConsensusState | None:
         """Duals, block copies and consensus (``None`` before the first step)."""
         return self._state

@@ -1,3 +1,5 @@
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -150,6 +152,55 @@ def test_weighted_rule_fits_random_effects_that_one_block_informs():
     assert all(w < c for w, c in zip(weighted, consensus))
     assert sum(weighted) / len(seeds) < 0.06
     assert 2 * sum(weighted) < sum(consensus)
+
+
+def _concentrated_warnings(record) -> list:
+    return [w for w in record if "informed by about one block each" in str(w.message)]
+
+
+def test_pdvi_names_the_sites_that_one_block_informs_once_every_block_is_measured():
+    """The random intercepts' group effects (locations and scales; one block per group) are found
+    concentrated once every block has had its first step, and PDVI says so once, naming them;
+    the intercept, which every block informs, is not among them."""
+    model, blocks, _ = _random_intercepts()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=blocks)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for block in blocks[:-1]:
+            pdvi.step(block)
+        assert pdvi.concentrated_sites == {}
+        assert not _concentrated_warnings(record)
+        pdvi.step(blocks[-1])
+        for block in blocks:
+            pdvi.step(block)
+    assert pdvi.concentrated_sites == {"AutoNormal.locs.a": 8, "AutoNormal.scales.a": 8}
+    (warning,) = _concentrated_warnings(record)
+    assert "'AutoNormal.locs.a' (8), 'AutoNormal.scales.a' (8)" in str(warning.message)
+    assert warning.filename == __file__  # points at the user's step
+
+
+def test_pdvi_finds_no_concentrated_site_where_every_block_informs_every_coordinate():
+    """Blocks of one shared mean, each a quarter of the data: nothing concentrated, no warning."""
+    y = torch.randn(40, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0
+
+    def model(idx=None):
+        mu = pyro.sample("mu", dist.Normal(y.new_zeros(()), 10.0))
+        with pyro.plate("data", len(y), subsample=idx) as i:
+            pyro.sample("y", dist.Normal(mu, 1.0), obs=y[i])
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    blocks = list(torch.arange(len(y)).chunk(4))
+    pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=blocks)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for block in blocks:
+                pdvi.step(block)
+    assert pdvi.concentrated_sites == {}
+    assert not _concentrated_warnings(record)
 
 
 def test_copies_of_blocks_not_yet_visited_are_left_out_of_the_mean():
