@@ -56,10 +56,6 @@ from .fisher import gaussian_parameters
 from .handlers import BlockSubsample, FixedNoise, ParamOverride, is_subsample_site
 from .sites import DataPlate, GlobalLayout
 
-#: A site whose scale's Jacobian in the params (entries x params) has more elements than this is left
-#: to the primal-dual iteration (finding the map takes that Jacobian, once).
-MAX_JACOBIAN_ELEMENTS = 2**24
-
 #: Relative tolerance of the checks that a scale is ``T(u_j)``.
 MAP_TOLERANCE = 1e-5
 
@@ -162,24 +158,43 @@ def find_scale_maps(
 
 
 def _scale_map(name: str, scale: torch.Tensor, leaf: torch.Tensor, layout: GlobalLayout) -> ScaleMap | None:
-    """The site's :class:`ScaleMap` if each scale entry is one coordinate's own function."""
+    """The site's :class:`ScaleMap` if each scale entry is one coordinate's own function.
+
+    Two vector-Jacobian products find which coordinate each entry depends on, whatever the site's
+    size (the full Jacobian, one backward pass per entry, was left out beyond 2^24 elements, so a
+    large site kept the primal-dual iteration): with ``sigma_i = T(u_j(i))`` the entries weighted by
+    ``w_i = 1 + i / K`` pull back to ``w_i T'`` at ``j(i)`` and the entries weighted by one to
+    ``T'`` there, so their ratio is ``w_i`` and names the entry. A coordinate that several
+    entries share gives a ratio between theirs, and an entry that several coordinates share
+    leaves more coordinates than entries: both are refused here or by the check at a shifted
+    point in :func:`find_scale_maps`.
+    """
     if not isinstance(scale, torch.Tensor) or not scale.requires_grad:
         return None
-    if scale.numel() * leaf.numel() > MAX_JACOBIAN_ELEMENTS:
-        return None
     flat = scale.reshape(-1)
-    eye = torch.eye(len(flat), dtype=flat.dtype, device=flat.device)
+    size = len(flat)
+    weights = 1.0 + torch.arange(size, device=flat.device).to(flat.dtype) / size
     try:
-        (jacobian,) = torch.autograd.grad(flat, leaf, eye, retain_graph=True, is_grads_batched=True)
-    except RuntimeError:  # an op without a batched backward: leave the site to the primal-dual iteration
+        weighted, slopes = (
+            torch.autograd.grad(flat, leaf, w, retain_graph=True, allow_unused=True)[0]
+            for w in (weights, torch.ones_like(flat))
+        )
+    except RuntimeError:  # an op without a backward in this form: leave the site to the primal-dual iteration
         return None
-    nonzero = jacobian != 0
-    if not bool((nonzero.sum(1) == 1).all()):
+    if weighted is None:
         return None
-    coordinates = nonzero.to(torch.uint8).argmax(1)
-    if len(coordinates.unique()) != len(coordinates):
-        return None  # one param coordinate scales several entries
-    sigma, slope = flat.detach(), jacobian.gather(1, coordinates[:, None]).reshape(-1)
+    coordinates = ((weighted != 0) | (slopes != 0)).nonzero().reshape(-1)
+    if len(coordinates) != size or not bool((slopes[coordinates] != 0).all()):
+        return None
+    ratio = weighted[coordinates] / slopes[coordinates]
+    entries = ((ratio - 1.0) * size).round().long()
+    if not bool(((entries >= 0) & (entries < size)).all()):
+        return None
+    # Each entry named once, and each ratio within a quarter of the spacing 1 / K of its entry's.
+    if len(entries.unique()) != size or not bool(((ratio - weights[entries]).abs() <= 0.25 / size).all()):
+        return None
+    coordinates = coordinates[entries.argsort()]  # the coordinate of entry 0, 1, ...
+    sigma, slope = flat.detach(), slopes[coordinates]
     u = leaf.detach()[coordinates]
     owners = sorted({layout.site_of(j) for j in coordinates.tolist()})
     params = ", ".join(owners)

@@ -107,6 +107,36 @@ def test_finds_positive_softplus_and_log_scales_and_rejects_shared_ones():
         assert torch.allclose(sigma, expected, rtol=1e-12)
 
 
+def test_finds_the_scales_of_a_large_site_in_a_permuted_order():
+    """3,000 scale entries over 6,000 param coordinates (a Jacobian of 18 million elements, which
+    the full Jacobian this replaced did not take), each entry the exp of a coordinate of a
+    param stored in reverse order: every entry is matched to its own coordinate."""
+    size = 3000
+
+    def guide(idx=None):
+        loc = pyro.param("loc", torch.zeros(size))
+        log_scale = pyro.param("log_scale", torch.linspace(-1.0, 1.0, size))
+        pyro.sample("z", dist.Normal(loc, log_scale.flip(0).exp()).to_event(1))
+        with pyro.plate("data", NUM_DATA, subsample=idx):
+            pass
+
+    def model(idx=None):
+        pyro.sample("z", dist.Normal(torch.zeros(size), 1.0).to_event(1))
+        with pyro.plate("data", NUM_DATA, subsample=idx) as i:
+            pyro.sample("x", dist.Normal(0.0, 1.0), obs=DATA[i, 0])
+
+    pyro.clear_param_store()
+    block = BLOCKS[0]
+    found = find_sites(model, guide, (block,), {}, NUM_DATA, None)
+    layout = GlobalLayout(found.global_sites)
+    point = ParamStoreView(layout, found.local_sites).consensus()
+    (scale_map,) = find_scale_maps(guide, found.plate, layout, point, block, (), {})
+    span = layout.slices["log_scale"]
+    assert scale_map.coordinates.tolist() == list(range(span.stop - 1, span.start - 1, -1))
+    expected = torch.linspace(-1.0, 1.0, size).flip(0).exp()
+    assert torch.allclose(scale_map.transform(point[scale_map.coordinates]), expected, rtol=1e-6)
+
+
 class SolverWithoutHeldGradients(GenericSolver):
     """A solver that does not hand on the gradient in the held coordinates: PDVI evaluates it."""
 

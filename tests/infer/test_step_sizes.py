@@ -10,7 +10,12 @@ from torch.distributions import constraints
 import pyro_pdvi.infer.upkeep as upkeep
 from pyro_pdvi import PDVI, AutoStepSize, GenericSolver
 from pyro_pdvi.infer.sites import GlobalLayout, GlobalSite
-from pyro_pdvi.infer.step_sizes import coordinate_groups, estimate_curvatures, resolve_groups
+from pyro_pdvi.infer.step_sizes import (
+    coordinate_groups,
+    diagonal_curvature,
+    estimate_curvatures,
+    resolve_groups,
+)
 from pyro_pdvi.models.quadratic import Quadratic
 
 from ..toy_models import Hierarchical
@@ -261,3 +266,24 @@ def test_a_measurement_that_is_not_finite_leaves_every_step_size_finite(monkeypa
             assert bool(torch.isfinite(pdvi.state.consensus).all())
     assert bool(torch.isfinite(pdvi.state.information).all())
     assert pdvi._step_sizes.fisher.isfinite().all() and (pdvi._step_sizes.fisher[::2] == 0).all()
+
+
+def test_diagonal_curvature_is_exact_for_a_diagonal_hessian():
+    """``f = sum_j a_j x_j^4 / 12 + b_j x_j^2 / 2`` has the diagonal Hessian ``a_j x_j^2 + b_j``:
+    one Rademacher probe gives it to the central difference's error (float64), at two gradient
+    evaluations per probe."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(7, generator=g, dtype=torch.float64) + 0.5
+    b = torch.rand(7, generator=g, dtype=torch.float64) * 10 + 0.1
+    point = torch.randn(7, generator=g, dtype=torch.float64)
+    calls = []
+
+    def gradient(x):
+        calls.append(x)
+        return a * x**3 / 3 + b * x
+
+    for probes in (1, 3):
+        calls.clear()
+        curvature = diagonal_curvature(gradient, point, probes)
+        assert len(calls) == 2 * probes
+        assert torch.allclose(curvature, a * point**2 + b, rtol=1e-6)
