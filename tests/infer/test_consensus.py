@@ -199,6 +199,7 @@ def test_pdvi_finds_no_concentrated_site_where_every_block_informs_every_coordin
         for _ in range(2):
             for block in blocks:
                 pdvi.step(block)
+    assert int(pdvi.state.num_measured) == len(blocks)  # every block measured: the test ran
     assert pdvi.concentrated_sites == {}
     assert not _concentrated_warnings(record)
 
