@@ -167,7 +167,9 @@ def _scale_map(name: str, scale: torch.Tensor, leaf: torch.Tensor, layout: Globa
     ``T'`` there, so their ratio is ``w_i`` and names the entry. A coordinate that several
     entries share gives a ratio between theirs, and an entry that several coordinates share
     leaves more coordinates than entries: both are refused here or by the check at a shifted
-    point in :func:`find_scale_maps`.
+    point in :func:`find_scale_maps`. So is a site whose dtype cannot tell ratios ``1 / K`` apart
+    (rounding of about ``eps``: beyond some 10^6 entries in float32), which keeps the primal-dual
+    iteration.
     """
     if not isinstance(scale, torch.Tensor) or not scale.requires_grad:
         return None
