@@ -5,7 +5,8 @@ Every PDVI configuration is a named dict of keyword options of ``PDVI(...)`` in
 :data:`PDVI_CONFIGS`, the one place to edit when options are renamed. The one key that is
 not a PDVI option, :data:`PARTICLES`, replaces the user's ELBO by the same ELBO class with
 that many vectorized particles (its other arguments kept); without it PDVI runs with the
-user's ELBO unchanged, as issue 13 asks. Only PDVI's public, common-case API is used:
+user's ELBO unchanged, as issue 13 asks. The other, :data:`COUPLING`, sets PDVI's
+``couple_concentrated`` (a class attribute, not an option). Only PDVI's public, common-case API is used:
 ``PDVI(model, guide, optim, loss, blocks=blocks, **options)``, ``step``, ``step_sizes``.
 """
 
@@ -36,6 +37,8 @@ class ExtraCallSolver(GenericSolver):
 
 #: Suite-level key of a PDVI configuration: the user's ELBO with this many vectorized particles.
 PARTICLES = "particles"
+#: Suite-level key of a PDVI configuration: ``PDVI.couple_concentrated`` (default True).
+COUPLING = "couple_concentrated"
 
 PDVI_CONFIGS: dict[str, dict] = {
     # The number issue 13 is about: the user's ELBO unchanged, every option at its default.
@@ -58,6 +61,8 @@ PDVI_CONFIGS: dict[str, dict] = {
     # The scales of Gaussian global sites moved by the primal-dual iteration, the default before
     # their fixed point (13i), for a before/after inside one run.
     "scale_pd": {"scale_update": "primal_dual"},
+    # The concentrated coordinates left uncoupled from the shared ones, the default before 13l.
+    "uncoupled": {COUPLING: False},
     # The scales' fixed point from one more model call per step, 13i's engine (13j).
     "extra_call": {"solver": ExtraCallSolver()},
     # The paper's global update after the warm-up too (13j: level with the defaults on the
@@ -149,18 +154,19 @@ def pdvi(config: str) -> Method:
         raise ValueError(f"Unknown PDVI configuration {config!r}; use one of {sorted(PDVI_CONFIGS)}")
     options = dict(PDVI_CONFIGS[config])
     particles = options.pop(PARTICLES, None)
+    coupling = options.pop(COUPLING, True)
 
     def build(problem: Problem, guide: Callable) -> Fitter:
-        return Fitter(
-            PDVI(
-                problem.model,
-                guide,
-                pyro.optim.Adam({"lr": PDVI_OPTIM_LR}),
-                problem.make_loss(particles),
-                blocks=problem.blocks,
-                **options,
-            )
+        pdvi = PDVI(
+            problem.model,
+            guide,
+            pyro.optim.Adam({"lr": PDVI_OPTIM_LR}),
+            problem.make_loss(particles),
+            blocks=problem.blocks,
+            **options,
         )
+        pdvi.couple_concentrated = coupling
+        return Fitter(pdvi)
 
     return Method("PDVI", config, build)
 

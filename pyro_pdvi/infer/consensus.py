@@ -224,6 +224,30 @@ class ConsensusState:
         self.step_sizes = step_sizes.detach().clone().to(self.consensus)
         self.consensus = self.consensus - old_h + self.h
 
+    def change_coordinates(
+        self,
+        forward: Callable[[torch.Tensor], torch.Tensor],
+        dual_forward: Callable[[torch.Tensor], torch.Tensor],
+        step_sizes: torch.Tensor,
+    ) -> None:
+        """Carry the state into new coordinates ``lambda~ = T lambda`` (linear) with new step
+        sizes (:mod:`~pyro_pdvi.infer.coupling`): copies and consensus move by ``T``, duals by
+        ``T^{-T}``, and ``lambda_0`` keeps its part that is not ``h``, ``T (lambda_0 - h)``, plus
+        the new ``H~ T^{-T} mean(mu)``. The fixed point is the same point in the new coordinates.
+
+        :param forward: ``x -> T x`` along the last axis.
+        :param dual_forward: ``mu -> T^{-T} mu`` along the last axis.
+        :param step_sizes: the step sizes in the new coordinates.
+        """
+        base = forward(self.consensus - self.h)
+        self.copies = forward(self.copies)
+        self.copy_mean = forward(self.copy_mean)
+        self.visited_sum = forward(self.visited_sum)
+        self.duals = dual_forward(self.duals)
+        self.dual_mean = dual_forward(self.dual_mean)
+        self.step_sizes = step_sizes.detach().clone().to(self.consensus)
+        self.consensus = base + self.h
+
     def state_dict(self) -> dict[str, torch.Tensor | str]:
         return {
             "global_update": self.global_update,

@@ -34,6 +34,7 @@ from ..checks import check_choice, check_non_negative
 from ..errors import NonFiniteStepError
 from .blocks import BlockPartition
 from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate, find_non_finite
+from .coupling import CoupledLosses, Coupling
 from .handlers import plate_entry
 from .local_cavi import categorical_rows, exact_rows
 from .objective import BlockObjective, loss_function
@@ -250,6 +251,9 @@ class PDVI(StepSizeUpkeep):
         self._state: ConsensusState | None = None
         self._scales: ScaleFixedPoint | None = None
         self._held: dict[str, torch.Tensor] = {}
+        # The coordinates lambda~ = T lambda of the state, once concentrated coordinates are
+        # coupled with shared ones (:mod:`~pyro_pdvi.infer.coupling`); None: the params'.
+        self._coupling: Coupling | None = None
         self._pending_state: dict | None = None
         # Local sites whose rows the solves set in closed form (found at the set-up).
         self._categorical_rows: tuple[str, ...] = ()
@@ -462,12 +466,22 @@ class PDVI(StepSizeUpkeep):
         summed = self._all_reduce(torch.cat([change, first.reshape(1).to(change)]))
         fixed.add(summed[:-1], summed[-1])
         state.consensus[fixed.coordinates] = fixed.scales_at(point)
-        self._params.write_consensus(state.consensus)
+        self._write_consensus()
         self.diagnostics["scale_fixed_point"] = {
             "params": fixed.param_names,
             "non_positive": fixed.non_positive,
             "non_finite": fixed.non_finite,
         }
+
+    @property
+    def _consensus_params(self) -> torch.Tensor:
+        """``lambda_0`` in the params' coordinates (the state's may be coupled ones)."""
+        consensus = self._state.consensus
+        return consensus if self._coupling is None else self._coupling.inverse(consensus)
+
+    def _write_consensus(self) -> None:
+        """Write ``lambda_0`` into the param store."""
+        self._params.write_consensus(self._consensus_params)
 
     def _gradients_at(
         self, point: torch.Tensor, solved: StepSolution, args: tuple, kwargs: dict
@@ -475,13 +489,16 @@ class PDVI(StepSizeUpkeep):
         """``grad_lambda f_b`` of the step's blocks at ``point`` and their new rows, with the step's
         noise, shape ``(m, P)``: one more evaluation, for a solver that did not hand it on."""
         gradients, start = [], 0
+        if self._coupling is not None:
+            point = self._coupling.inverse(point)
         for indices, rows in solved.parts:
             copies = point.expand(len(indices), -1).clone().requires_grad_()
             losses = self._objective.bind(indices, solved.seeds[start : start + len(indices)], args, kwargs)
             f = losses(self.layout.unflatten(copies), rows)
             gradients.append(torch.autograd.grad(f.sum(), copies)[0])
             start += len(indices)
-        return torch.cat(gradients)
+        gradients = torch.cat(gradients)
+        return gradients if self._coupling is None else self._coupling.dual_forward(gradients)
 
     def _halve_after_refusal(self, error: NonFiniteStepError) -> None:
         """Halve every step size for the retry of a refused step (``lambda_0`` moves with
@@ -505,7 +522,7 @@ class PDVI(StepSizeUpkeep):
         """Put back ``lambda_0``, ``H`` and the damping as they were before a refused step."""
         self._state.consensus, self._state.step_sizes = consensus, step_sizes
         self._step_sizes.damping = self._guard.damping = damping
-        self._params.write_consensus(consensus)
+        self._write_consensus()
         self.diagnostics["damping"] = damping
         self.diagnostics["step_sizes"] = self.step_sizes
 
@@ -556,8 +573,11 @@ class PDVI(StepSizeUpkeep):
         a flat vector, with zero duals and vanishing step sizes: ``phi*(lambda)``)."""
         state = self._state
         indices = self.partition.stacked(block_ids, self.device)
+        losses = self._objective.bind(indices, seeds, args, kwargs)
         if consensus is None:
             consensus, duals, step_sizes = state.consensus, state.duals[block_ids], state.step_sizes
+            if self._coupling is not None:
+                losses = CoupledLosses(losses, self._coupling, self.layout)
         else:
             duals = consensus.new_zeros(len(block_ids), consensus.numel())
             step_sizes = torch.full_like(consensus, 1e-12)
@@ -570,7 +590,7 @@ class PDVI(StepSizeUpkeep):
             local=self._params.rows(indices),
             num_blocks=len(self.partition),
             num_data=self.partition.num_data,
-            losses=self._objective.bind(indices, seeds, args, kwargs),
+            losses=losses,
             optim=self.optim,
             args=args,
             kwargs=kwargs,
@@ -662,7 +682,7 @@ class PDVI(StepSizeUpkeep):
             self._refuse(solved, update, bool(finite))
         old_consensus, old_duals = state.consensus, state.duals[update.block_ids]
         state.apply(update)
-        self._params.write_consensus(state.consensus)
+        self._write_consensus()
         for indices, local in solved.parts:
             self._params.write_rows(indices, local)
         self.num_steps += 1
@@ -788,6 +808,19 @@ class PDVI(StepSizeUpkeep):
         return {name: count for name, count in counts.items() if count}
 
     @property
+    def coupled_sites(self) -> dict[str, list[str]]:
+        """For each global site with coordinates that the preconditioner couples with
+        concentrated ones (:mod:`~pyro_pdvi.infer.coupling`: an intercept with its groups'
+        effects), the sites of those concentrated coordinates. Empty before they are found, or
+        where none is coupled."""
+        if self._coupling is None:
+            return {}
+        pairs: dict[str, set[str]] = {}
+        for j, s in zip(self._coupling.rows.tolist(), self._coupling.cols.tolist()):
+            pairs.setdefault(self.layout.site_of(s), set()).add(self.layout.site_of(j))
+        return {name: sorted(sites) for name, sites in sorted(pairs.items())}
+
+    @property
     def state(self) -> ConsensusState | None:
         """Duals, block copies and consensus (``None`` before the first step)."""
         return self._state
@@ -824,7 +857,7 @@ class PDVI(StepSizeUpkeep):
             block_kwargs = self._with_block(kwargs, b, subsample_arg)
             indices = self.partition.stacked(torch.tensor([b]), self.device)
             seed = int(torch.randint(0, 2**62, ()))
-            point = self._state.consensus.detach().requires_grad_()
+            point = self._consensus_params.detach().requires_grad_()
             copies = {k: v.unsqueeze(0) for k, v in self.layout.unflatten(point).items()}
             f = self._objective.bind(indices, [seed], args, block_kwargs)(copies, self._params.rows(indices))
             total += torch.autograd.grad(f.sum(), point)[0]
@@ -850,6 +883,7 @@ class PDVI(StepSizeUpkeep):
             "guard": self._guard.state_dict(),
             "stationarity": self._stationarity.state_dict(),
             "scales": None if self._scales is None else self._scales.state_dict(),
+            "coupling": None if self._coupling is None else self._coupling.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -874,6 +908,10 @@ class PDVI(StepSizeUpkeep):
         if "stationarity" in state:  # absent from checkpoints before the stationarity test
             self._stationarity.load_state_dict(state["stationarity"])
         self._state.load_state_dict(state["consensus_state"])
+        coupling = state.get("coupling")  # absent from checkpoints before couplings
+        if coupling is not None:
+            coupling = Coupling.from_state_dict(coupling).to(self._state.consensus)
+        self._coupling = coupling
         self._rng.set_state(state["rng_state"])
         # Absent from checkpoints before the scales' fixed point: it then starts afresh.
         if "scales" in state:

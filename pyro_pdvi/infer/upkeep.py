@@ -4,9 +4,11 @@ After every accepted step (never inside one, so a refused step changes nothing):
 
 * the blocks solved for the first time have their diagonal curvature measured, which bounds
   the step sizes of the natural rule and weighs the blocks in the global update's
-  ``"weighted"`` rule (:mod:`~pyro_pdvi.infer.consensus`); once every block is measured, a
-  one-time warning names the sites with coordinates that about one block informs (there PD-VI
-  can trail SVI: ``docs/benchmarks.md`` 13k);
+  ``"weighted"`` rule (:mod:`~pyro_pdvi.infer.consensus`); once every block is measured, the
+  coordinates that about one block informs are coupled with the shared coordinates their
+  blocks' data tie them to (:mod:`~pyro_pdvi.infer.coupling`: the state moves to coordinates in
+  which an intercept and its groups' effects are preconditioned together), and a one-time
+  warning names their sites (there PD-VI can trail SVI: ``docs/benchmarks.md`` 13k, 13l);
 * under the natural rule (:mod:`~pyro_pdvi.infer.fisher`), once an epoch the guide's Fisher
   information is measured again at ``lambda_0``;
 * under the curvature rule, the curvatures are measured again when
@@ -25,13 +27,28 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import VectorizationError
+from .coupling import measure_coupling
 from .fisher import fisher_diagonal
+from .objective import BlockObjective
 from .safeguard import RISES
+from .solvers import GenericSolver
 from .step_sizes import diagonal_curvature
+
+#: The finite differences' step of the coupling's Hessian products, relative to ``1 + max|lambda_0|``:
+#: large enough that a reduced curvature, a small difference of large ones, is not lost in rounding
+#: (a smooth objective is nearly quadratic over it; measured in ``docs/benchmarks.md`` 13l).
+COUPLING_RELATIVE_STEP = 1e-2
 
 
 class StepSizeUpkeep:
     """The step-size methods of :class:`~pyro_pdvi.PDVI` (see the module docstring)."""
+
+    #: Whether concentrated coordinates are coupled with shared ones once found.
+    couple_concentrated = True
+    #: The objective at one noise draw for every stacked copy (the coupling's Hessian products);
+    #: ``False`` once ``vmap`` failed on the model.
+    _same_noise_objective = None
 
     def _adapt_step_sizes(self, block_ids: torch.Tensor, epoch: int, args: tuple, kwargs: dict) -> None:
         """After an accepted step: measure the blocks solved for the first time (the natural
@@ -75,7 +92,7 @@ class StepSizeUpkeep:
         for b in block_ids.tolist()[: auto.fisher_blocks]:
             block = [self.partition.block(b, self.device)]
             fisher += fisher_diagonal(
-                self.guide, self.plate, self.layout, self._state.consensus, block, args, kwargs,
+                self.guide, self.plate, self.layout, self._consensus_params, block, args, kwargs,
                 auto.fisher_samples, seed + b,
             )  # fmt: skip
         count = torch.tensor([float(min(len(block_ids), auto.fisher_blocks))], dtype=fisher.dtype)
@@ -108,7 +125,7 @@ class StepSizeUpkeep:
             gradient = self._block_gradient(b, args, kwargs, seed + b)
             # A probe that left the model's domain (a gradient that is not finite) measures
             # nothing: such a coordinate counts as uninformed, never as a step size of NaN.
-            curvature = diagonal_curvature(gradient, self._state.consensus, probes)
+            curvature = diagonal_curvature(gradient, self._consensus_params, probes)
             measured[b] = torch.where(torch.isfinite(curvature), curvature, 0.0)
             self._measured_blocks.add(b)
         # Each process measured its own new blocks: the sum over processes gives every row.
@@ -117,25 +134,92 @@ class StepSizeUpkeep:
         found_before = bool(self._state.concentrated.any())
         self._state.set_information(ids, measured[ids])
         if not found_before and bool(self._state.concentrated.any()):
+            self._couple(args, kwargs)
             self._warn_of_concentrated_coordinates()
         if not self._step_sizes.natural or not len(ids):
             return False
         return self._step_sizes.bound_block_curvature(measured[ids].amax(0))
 
     def _warn_of_concentrated_coordinates(self) -> None:
-        """Tell the user, once, that some coordinates are informed by about one block each, and
-        what that measured to cost against SVI (``docs/benchmarks.md`` 13j, 13k)."""
+        """Tell the user, once, that some coordinates are informed by about one block each, whether
+        they were coupled, and what that measured to cost against SVI (``docs/benchmarks.md``
+        13j-13l)."""
         listed = ", ".join(f"{name!r} ({count})" for name, count in self.concentrated_sites.items())
+        if self._coupling is None:
+            remedy = (
+                "PDVI found no site to couple them with (PDVI.coupled_sites), so a split that only "
+                "the priors fix converges slowly here."
+            )
+        else:
+            coupled = ", ".join(repr(name) for name in self.coupled_sites)
+            remedy = (
+                f"PDVI preconditions {coupled} together with them (PDVI.coupled_sites), which "
+                "speeds up that split."
+            )
         warnings.warn(
             f"PDVI: coordinates of {listed} are informed by about one block each (such as a group's "
             "random effect with one block per group). Each moves only when its block steps, and where "
             "the data fix only its sum with a site that every block informs (an intercept plus every "
-            "group's effect) the split is left to the priors, a direction along which PD-VI converges "
-            "slowly. On the random-effects model of docs/benchmarks.md (13j, 13k) PDVI's posterior "
-            "means trailed the best-tuned SVI+Adam's 1.4-1.6x at equal CPU seconds (its ELBO, standard "
-            "deviations and hyper-scales were ahead). PDVI.concentrated_sites lists these sites.",
+            f"group's effect) the split is left to the priors. {remedy} On the random-effects model "
+            "of docs/benchmarks.md (13l) PDVI's posterior means still trailed the best-tuned "
+            "SVI+Adam's 1.3x at equal CPU seconds (its ELBO and standard deviations were ahead). "
+            "PDVI.concentrated_sites lists these sites.",
             stacklevel=6,
         )
+
+    def _couple(self, args: tuple, kwargs: dict) -> None:
+        """Couple the concentrated coordinates with the shared ones that their blocks' data tie
+        them to and carry the state into the coupled coordinates (:mod:`~pyro_pdvi.infer.coupling`),
+        measured at ``lambda_0`` and every block's rows. Only for the generic solver in one process
+        (a closed-form solver works in the params' coordinates)."""
+        if not self.couple_concentrated or self._shares_steps or not isinstance(self.solver, GenericSolver):
+            return
+        state = self._state
+        held = torch.zeros_like(state.concentrated)
+        if self._scales is not None:
+            held[self._scales.coordinates] = True
+        concentrated = state.concentrated & ~held
+        owner = state.information.argmax(0)
+        owned = [(concentrated & (owner == b)).nonzero().reshape(-1) for b in range(len(self.partition))]
+        shared = ~state.concentrated & ~held & (state.information_total > 0)
+        point = self._consensus_params.detach()
+        step = COUPLING_RELATIVE_STEP * (1.0 + float(point.abs().max()))
+        seed = self._side_seed(-3)
+
+        def hessian_products(b: int, directions: torch.Tensor) -> torch.Tensor:
+            points = torch.cat([point[None], point + step * directions])
+            gradients = self._block_gradients_at(b, points, args, kwargs, seed + b)
+            return (gradients[1:] - gradients[0]) / step
+
+        coupling = measure_coupling(hessian_products, owned, shared, state.information)
+        if coupling is None:
+            return
+        self._coupling = coupling.to(state.consensus)
+        state.change_coordinates(self._coupling.forward, self._coupling.dual_forward, self._rule_step_sizes())
+        self._write_consensus()
+
+    def _block_gradients_at(
+        self, b: int, points: torch.Tensor, args: tuple, kwargs: dict, seed: int
+    ) -> torch.Tensor:
+        """``grad_lambda f_b`` at each row of ``points`` (``(k, P)``), all at the noise of ``seed``
+        and the block's rows: in one ``vmap``-ped evaluation where the model allows it."""
+        if self._same_noise_objective is not False:
+            if self._same_noise_objective is None:
+                objective = self._objective
+                self._same_noise_objective = BlockObjective(
+                    objective.model, objective.guide, objective.loss_fn, objective.plate, self.layout,
+                    self.local_sites, randomness="same",
+                )  # fmt: skip
+            indices = self.partition.stacked(torch.full((len(points),), b), self.device)
+            losses = self._same_noise_objective.bind(indices, [seed] * len(points), args, kwargs)
+            flat = points.detach().requires_grad_()
+            try:
+                f = losses(self.layout.unflatten(flat), self._params.rows(indices), vectorize=True)
+                return torch.autograd.grad(f.sum(), flat)[0]
+            except VectorizationError:
+                self._same_noise_objective = False
+        gradient = self._block_gradient(b, args, kwargs, seed)
+        return torch.stack([gradient(p) for p in points])
 
     def _block_gradient(
         self, b: int, args: tuple, kwargs: dict, seed: int
@@ -152,10 +236,16 @@ class StepSizeUpkeep:
 
         return gradient
 
+    def _rule_step_sizes(self) -> torch.Tensor:
+        """The step sizes of the rule in the state's coordinates: a coupled coordinate's grow
+        with its reduced curvature (:mod:`~pyro_pdvi.infer.coupling`)."""
+        etas = self._step_sizes.per_coordinate(self._state.consensus)
+        return etas if self._coupling is None else etas * self._coupling.step_growth
+
     def _apply_step_sizes(self) -> None:
         """Take the current step sizes; ``lambda_0`` moves with ``h = H mean(mu)``."""
-        self._state.set_step_sizes(self._step_sizes.per_coordinate(self._state.consensus))
-        self._params.write_consensus(self._state.consensus)
+        self._state.set_step_sizes(self._rule_step_sizes())
+        self._write_consensus()
         self.diagnostics["step_sizes"] = self.step_sizes
 
     def _measure_curvatures(self, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -166,14 +256,14 @@ class StepSizeUpkeep:
         ]
         gradients = [self._reduced_gradient(b, args, kwargs) for b in chosen.tolist()]
         # phi*(lambda) is solved to ~1e-9 (float64): keep finite-difference errors far below the step.
-        return self._step_sizes.measure(gradients, self._state.consensus, 1e-3 if self.local_sites else None)
+        return self._step_sizes.measure(gradients, self._consensus_params, 1e-3 if self.local_sites else None)
 
     def _reduced_gradient(self, b: int, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
         """``lambda -> grad g_b(lambda)`` with ``g_b = min_phi f_b``, at one fixed noise; the
         locals ``phi_b*(lambda)`` come from the solver at a vanishing step size, where the
         augmented Lagrangian pins ``lambda_b`` to ``lambda``."""
         block = torch.tensor([b])
-        problem = self._problem(block, [self._draw_seed()], args, kwargs, consensus=self._state.consensus)
+        problem = self._problem(block, [self._draw_seed()], args, kwargs, consensus=self._consensus_params)
 
         def solve_rows(point: torch.Tensor) -> dict[str, torch.Tensor]:
             if not self.local_sites:
@@ -182,7 +272,7 @@ class StepSizeUpkeep:
             return self.solver.solve(problem).local
 
         # Finite-difference probes around lambda_0 start from phi*(lambda_0), a short way off.
-        problem.local = solve_rows(self._state.consensus)
+        problem.local = solve_rows(self._consensus_params)
 
         def gradient(point: torch.Tensor) -> torch.Tensor:
             rows = solve_rows(point)

@@ -1,0 +1,185 @@
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer import TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_pdvi import PDVI
+from pyro_pdvi.infer.consensus import ConsensusState
+from pyro_pdvi.infer.coupling import Coupling, measure_coupling
+
+
+def _coupling() -> Coupling:
+    # Coordinates 2, 3 concentrated, 0 and 1 shared; 4 untouched.
+    return Coupling(
+        rows=torch.tensor([2, 3, 2]),
+        cols=torch.tensor([0, 0, 1]),
+        values=torch.tensor([0.9, -0.4, 0.3], dtype=torch.float64),
+        step_growth=torch.tensor([5.0, 2.0, 1.0, 1.0, 1.0], dtype=torch.float64),
+    )
+
+
+def _matrix(coupling: Coupling) -> torch.Tensor:
+    t = torch.eye(5, dtype=torch.float64)
+    t[coupling.rows, coupling.cols] += coupling.values
+    return t
+
+
+def test_coupling_is_the_linear_map_T_and_its_inverse_and_transposes():
+    coupling = _coupling()
+    t = _matrix(coupling)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    assert torch.allclose(coupling.forward(x), x @ t.T)
+    assert torch.allclose(coupling.inverse(coupling.forward(x)), x)
+    assert torch.allclose(coupling.dual_forward(x), x @ torch.linalg.inv(t))  # rows of T^{-T} x
+    assert torch.allclose(coupling.dual_inverse(coupling.dual_forward(x)), x)
+    # A dual pairs with a difference of points the same in both coordinates.
+    mu = torch.randn(5, dtype=torch.float64)
+    assert torch.allclose(coupling.dual_forward(mu) @ coupling.forward(x[0]), mu @ x[0])
+
+
+def test_change_of_coordinates_keeps_the_point_without_h_and_the_duals_pairing():
+    coupling = _coupling()
+    state = ConsensusState(torch.randn(5, dtype=torch.float64), num_blocks=3, step_sizes=torch.rand(5) + 0.5)
+    for b in range(3):
+        state.apply(state.propose(torch.tensor([b]), torch.randn(1, 5, dtype=torch.float64)))
+    before = state.consensus - state.h
+    duals, copies = state.duals.clone(), state.copies.clone()
+    new_step_sizes = torch.rand(5, dtype=torch.float64) + 0.5
+    state.change_coordinates(coupling.forward, coupling.dual_forward, new_step_sizes)
+    assert torch.allclose(coupling.inverse(state.consensus - state.h), before)
+    assert torch.allclose(coupling.inverse(state.copies), copies)
+    assert torch.allclose(coupling.dual_inverse(state.duals), duals)
+    assert torch.allclose(state.dual_mean, state.duals.mean(0))
+
+
+def test_measure_coupling_finds_the_elimination_of_an_exact_quadratic():
+    """Blocks ``f_b = 1/2 x^T A_b x``: block b owns coordinate 2 + b, which its data tie to the
+    shared coordinate 0 (and a little to 1); every block holds a prior share of every coordinate.
+    ``R_js = H_js / H_jj`` (one owned coordinate per block) and the reduced curvature of the
+    shared coordinate ``v^T H v`` are exact for a quadratic."""
+    n, size = 4, 6
+    g = torch.Generator().manual_seed(0)
+    hessians = []
+    for b in range(n):
+        a = torch.diag(torch.full((size,), 0.5 / n, dtype=torch.float64))
+        kappa = 10.0 + 5 * b
+        a[0, 0] += kappa
+        a[2 + b, 2 + b] += kappa
+        a[0, 2 + b] = a[2 + b, 0] = kappa
+        a[1, 1] += 3.0
+        a[1, 2 + b] = a[2 + b, 1] = 0.1 * float(torch.rand((), generator=g, dtype=torch.float64))
+        hessians.append(a)
+    total = sum(hessians)
+    owned = [torch.tensor([2 + b]) for b in range(n)]
+    shared = torch.tensor([True, True, False, False, False, False])
+    information = torch.stack([torch.diagonal(a) for a in hessians])
+    coupling = measure_coupling(lambda b, v: v @ hessians[b], owned, shared, information)
+    assert coupling is not None
+    assert set(coupling.cols.tolist()) == {0}  # coordinate 1's curvature is its own
+    ratios = total[2:, 0] / torch.diagonal(total)[2:]
+    assert torch.allclose(coupling.values[coupling.rows.argsort()], ratios)
+    v = torch.zeros(size, dtype=torch.float64)
+    v[0] = 1.0
+    v[2:] = -ratios
+    assert torch.allclose(coupling.step_growth[0], total[0, 0] / (v @ total @ v))
+    assert float(coupling.step_growth[0]) > 10  # the shared coordinate was far stiffer than it is
+
+
+def _intercepts_and_slopes(num_groups=8, size=6):
+    """y = alpha + a_g + (beta + b_g) x + noise, one block per group (each group's x off centre,
+    so its data tie a_g and b_g to both alpha and beta). Returns model, blocks and the exact
+    posterior means of (alpha, beta, a, b), the mean-field optimum's too (a Gaussian target)."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(k):
+        return torch.randn(k, generator=g, dtype=torch.float64)
+
+    group = torch.arange(num_groups).repeat_interleave(size)
+    x = 2.0 * randn(num_groups)[group] + randn(len(group))
+    y = 1.0 + randn(num_groups)[group] + (0.5 + 0.3 * randn(num_groups)[group]) * x + 0.5 * randn(len(group))
+
+    def model(idx=None):
+        zero = y.new_zeros(())
+        alpha = pyro.sample("alpha", dist.Normal(zero, 10.0))
+        beta = pyro.sample("beta", dist.Normal(zero, 10.0))
+        with pyro.plate("groups", num_groups):
+            a = pyro.sample("a", dist.Normal(zero, 1.0))
+            b = pyro.sample("b", dist.Normal(zero, 0.5))
+        with pyro.plate("data", len(y), subsample=idx) as i:
+            mean = alpha + a[..., group[i]] + (beta + b[..., group[i]]) * x[i]
+            pyro.sample("y", dist.Normal(mean, 0.5), obs=y[i])
+
+    one_hot = torch.nn.functional.one_hot(group).to(y)
+    design = torch.cat([torch.ones(len(y), 1, dtype=y.dtype), x[:, None], one_hot, one_hot * x[:, None]], 1)
+    prior = torch.cat([y.new_full((2,), 0.01), y.new_ones(num_groups), y.new_full((num_groups,), 4.0)])
+    mean = torch.linalg.solve(torch.diag(prior) + design.T @ design / 0.25, design.T @ y / 0.25)
+    return model, [torch.nonzero(group == k).reshape(-1) for k in range(num_groups)], mean
+
+
+def _fit(model, blocks, epochs, seed, couple=True, pdvi=None, order=None):
+    if pdvi is None:
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=blocks)
+        pdvi.couple_concentrated = couple
+    order = torch.Generator().manual_seed(seed + 1) if order is None else order
+    for _ in range(epochs):
+        for b in torch.randperm(len(blocks), generator=order).tolist():
+            pdvi.step(blocks[b])
+    return pdvi
+
+
+def _means() -> torch.Tensor:
+    names = ("alpha", "beta", "a", "b")
+    return torch.cat([pyro.param(f"AutoNormal.locs.{n}").detach().reshape(-1) for n in names])
+
+
+def test_pdvi_couples_the_intercept_and_slope_with_the_group_effects_and_writes_the_params():
+    model, blocks, _ = _intercepts_and_slopes()
+    pdvi = _fit(model, blocks, 1, seed=0)
+    assert pdvi.coupled_sites == {
+        "AutoNormal.locs.alpha": ["AutoNormal.locs.a", "AutoNormal.locs.b"],
+        "AutoNormal.locs.beta": ["AutoNormal.locs.a", "AutoNormal.locs.b"],
+    }
+    coupling = pdvi._coupling
+    assert bool((coupling.step_growth[coupling.cols.unique()] > 2).all())
+    # The param store holds the params, T^{-1} of the state's coordinates.
+    written = pdvi.layout.flatten({k: pyro.param(k).unconstrained() for k in pdvi.layout.names})
+    assert torch.allclose(written, coupling.inverse(pdvi.state.consensus))
+    assert not torch.allclose(written, pdvi.state.consensus)
+
+
+def test_coupling_speeds_up_the_split_of_intercept_and_group_effects():
+    """After 5 epochs the coupled runs' rms error of the posterior means, averaged over four
+    starts, is below 0.75x the uncoupled runs' (measured over six starts: 0.12 against 0.22 after
+    5 epochs, 0.17 against 0.29 after 3; the intercept's error 0.041 against 0.083). Per start
+    and epoch it can lose, in the Monte Carlo noise."""
+    model, blocks, mean = _intercepts_and_slopes()
+    errors = {}
+    for couple in (False, True):
+        errors[couple] = 0.0
+        for seed in range(4):
+            _fit(model, blocks, 5, seed, couple)
+            errors[couple] += float((_means() - mean).pow(2).mean().sqrt()) / 4
+    assert errors[True] < 0.75 * errors[False]
+
+
+def test_a_resumed_coupled_run_continues_as_the_uninterrupted_one():
+    model, blocks, _ = _intercepts_and_slopes()
+
+    def run(split: bool) -> torch.Tensor:
+        order = torch.Generator().manual_seed(1)
+        pdvi = _fit(model, blocks, 2, seed=0, order=order)
+        assert pdvi.coupled_sites
+        if split:
+            state, params = pdvi.state_dict(), pyro.get_param_store().get_state()
+            pyro.clear_param_store()
+            pyro.get_param_store().set_state(params)
+            guide = AutoNormal(model)
+            pdvi = PDVI(model, guide, pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=blocks)
+            pdvi.load_state_dict(state)
+        _fit(model, blocks, 1, seed=0, pdvi=pdvi, order=order)
+        return _means().clone()
+
+    assert torch.equal(run(split=False), run(split=True))
