@@ -19,9 +19,16 @@ its first epoch), which averages a coordinate over the blocks where the step's b
 informs it, lags it (``docs/benchmarks.md``, section 13h, with what happened when the engine
 tried the paper's rule there through its inexact Monte Carlo solves).
 
+``--couplings none,measured`` also runs each rule with the concentrated coordinates coupled to
+the shared ones after the first epoch, as PDVI does (:mod:`~pyro_pdvi.infer.coupling`, with
+:func:`~pyro_pdvi.infer.coupling.measure_coupling` on the exact Hessians): the state moves to the
+coordinates ``lambda~ = T lambda`` and each solve is the same quadratic in them (section 13l).
+
 Example::
 
     python benchmarks/random_effects_consensus.py --epochs 60
+    python benchmarks/random_effects_consensus.py --layouts per_group --rules weighted \
+        --couplings none,measured --epochs 20
 """
 
 from __future__ import annotations
@@ -50,9 +57,11 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.generic_suite.models import MixedEffects  # noqa: E402
 from pyro_pdvi.infer.consensus import GLOBAL_UPDATES, ConsensusState  # noqa: E402
+from pyro_pdvi.infer.coupling import Coupling, measure_coupling  # noqa: E402
 from pyro_pdvi.infer.step_sizes import BLOCK_CURVATURE_BOUND  # noqa: E402
 
 LAYOUTS = ("per_group", "three_groups", "iid")
+COUPLINGS = ("none", "measured")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--bounds",
         default=f"{BLOCK_CURVATURE_BOUND:g},inf",
         help="the natural rule's bound eta_j <= bound / max_b c_bj (inf: none)",
+    )
+    parser.add_argument(
+        "--couplings",
+        default="none",
+        help=f"of {COUPLINGS}: the diagonal preconditioner only, or coupled after the first epoch",
     )
     parser.add_argument("--report-epochs", default="1,5,10,20,40,60", help="epochs shown in the table")
     parser.add_argument("--seed", type=int, default=1, help="seed of the block orders")
@@ -116,17 +130,30 @@ class MeanPart:
         self.linear = torch.stack([design[i].T @ y[i] / noise_sd**2 for i in blocks])
         self.optimum = torch.linalg.solve(self.curvatures.sum(0), self.linear.sum(0))
 
-    def solve(self, block: int, dual: torch.Tensor, consensus: torch.Tensor, step_sizes: torch.Tensor):
-        """``argmin_x f_b(x) + <mu_b, x - lambda_0> + 1/2 ||x - lambda_0||^2_D``, exactly.
+    def solve(
+        self,
+        block: int,
+        dual: torch.Tensor,
+        consensus: torch.Tensor,
+        step_sizes: torch.Tensor,
+        coupling: Coupling | None = None,
+    ):
+        """``argmin_x f_b(x) + <mu_b, x - lambda_0> + 1/2 ||x - lambda_0||^2_D``, exactly: in the
+        coupled coordinates ``x~ = T x`` if a coupling is given (``f_b(T^{-1} x~)``, whose
+        curvature is ``T^{-T} A_b T^{-1}``; dual, consensus and step sizes are then ``x~``'s).
 
         :param block: ``b``.
         :param dual: ``mu_b``, shape ``(P,)``.
         :param consensus: ``lambda_0``, shape ``(P,)``.
         :param step_sizes: ``eta`` per coordinate (``D = diag(1 / eta)``), shape ``(P,)``.
+        :param coupling: the map ``T``, or ``None`` for the params' coordinates.
         """
+        curvature, linear = self.curvatures[block], self.linear[block]
+        if coupling is not None:
+            back = coupling.inverse(torch.eye(len(linear), dtype=linear.dtype)).T  # T^{-1}
+            curvature, linear = back.T @ curvature @ back, back.T @ linear
         penalty = 1.0 / step_sizes
-        system = self.curvatures[block] + torch.diag(penalty)
-        return torch.linalg.solve(system, self.linear[block] - dual + penalty * consensus)
+        return torch.linalg.solve(curvature + torch.diag(penalty), linear - dual + penalty * consensus)
 
 
 def layout_blocks(data: MixedEffects, layout: str) -> list[torch.Tensor]:
@@ -150,26 +177,41 @@ def natural_step_sizes(curvatures: torch.Tensor, bound: float) -> torch.Tensor:
     return torch.minimum(etas, bound / diagonal.amax(0)) if math.isfinite(bound) else etas
 
 
-def run(problem: MeanPart, rule: str, bound: float, epochs: int, seed: int) -> list[float]:
-    """rms error of ``lambda_0`` after every epoch.
+def run(
+    problem: MeanPart, rule: str, bound: float, epochs: int, seed: int, coupling: str = "none"
+) -> list[float]:
+    """rms error of ``lambda_0`` (in the params' coordinates) after every epoch.
 
     :param problem: the quadratic.
     :param rule: a global update rule of :class:`~pyro_pdvi.infer.consensus.ConsensusState`.
     :param bound: the natural rule's bound (``inf``: none).
     :param epochs: passes over the blocks.
     :param seed: seed of the block orders.
+    :param coupling: ``"measured"``: couple the concentrated coordinates after the first epoch.
     """
     num_blocks, size = problem.linear.shape
     step_sizes = natural_step_sizes(problem.curvatures, bound)
     state = ConsensusState(torch.zeros(size, dtype=torch.float64), num_blocks, step_sizes, rule)
     state.set_information(torch.arange(num_blocks), torch.diagonal(problem.curvatures, dim1=1, dim2=2))
     order = torch.Generator().manual_seed(seed)
-    errors = []
+    errors, coupled = [], None
     for _ in range(epochs):
         for b in torch.randperm(num_blocks, generator=order).tolist():
-            copy = problem.solve(b, state.duals[b], state.consensus, state.step_sizes)
+            copy = problem.solve(b, state.duals[b], state.consensus, state.step_sizes, coupled)
             state.apply(state.propose(torch.tensor([b]), copy[None]))
-        errors.append(float((state.consensus - problem.optimum).square().mean().sqrt()))
+        if coupling == "measured" and coupled is None and bool(state.concentrated.any()):
+            owner = state.information.argmax(0)
+            owned = [(state.concentrated & (owner == b)).nonzero().reshape(-1) for b in range(num_blocks)]
+            shared = ~state.concentrated & (state.information_total > 0)
+            coupled = measure_coupling(
+                lambda b, v: v @ problem.curvatures[b], owned, shared, state.information
+            )
+            if coupled is not None:
+                state.change_coordinates(
+                    coupled.forward, coupled.dual_forward, step_sizes * coupled.step_growth
+                )
+        params = state.consensus if coupled is None else coupled.inverse(state.consensus)
+        errors.append(float((params - problem.optimum).square().mean().sqrt()))
     return errors
 
 
@@ -182,12 +224,14 @@ def main(args: argparse.Namespace) -> list[dict]:
         problem = MeanPart(data, layout_blocks(data, layout))
         for bound in floats(args.bounds):
             for rule in names(args.rules):
-                errors = run(problem, rule, bound, args.epochs, args.seed)
-                rows += [
-                    {"layout": layout, "bound": bound, "rule": rule, "epoch": e + 1, "rms_error": err}
-                    for e, err in enumerate(errors)
-                ]
-                lines.append([layout, f"{bound:g}", rule, *(f"{errors[e - 1]:.2g}" for e in shown)])
+                for coupling in names(args.couplings):
+                    errors = run(problem, rule, bound, args.epochs, args.seed, coupling)
+                    label = rule if coupling == "none" else f"{rule}, coupled"
+                    rows += [
+                        {"layout": layout, "bound": bound, "rule": label, "epoch": e + 1, "rms_error": err}
+                        for e, err in enumerate(errors)
+                    ]
+                    lines.append([layout, f"{bound:g}", label, *(f"{errors[e - 1]:.2g}" for e in shown)])
     print("rms error of lambda_0 against the exact optimum (exact block solves, no Monte Carlo)\n")
     print(markdown_table(["blocks", "bound", "rule", *(f"epoch {e}" for e in shown)], lines))
     if args.out:
