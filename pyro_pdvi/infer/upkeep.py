@@ -147,8 +147,8 @@ class StepSizeUpkeep:
         listed = ", ".join(f"{name!r} ({count})" for name, count in self.concentrated_sites.items())
         if self._coupling is None:
             remedy = (
-                "PDVI found no site to couple them with (PDVI.coupled_sites), so a split that only "
-                "the priors fix converges slowly here."
+                "They are not coupled with such a site (PDVI.coupled_sites is empty), so a split "
+                "that only the priors fix converges slowly here."
             )
         else:
             coupled = ", ".join(repr(name) for name in self.coupled_sites)

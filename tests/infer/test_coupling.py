@@ -1,3 +1,5 @@
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import torch
@@ -148,6 +150,18 @@ def test_pdvi_couples_the_intercept_and_slope_with_the_group_effects_and_writes_
     written = pdvi.layout.flatten({k: pyro.param(k).unconstrained() for k in pdvi.layout.names})
     assert torch.allclose(written, coupling.inverse(pdvi.state.consensus))
     assert not torch.allclose(written, pdvi.state.consensus)
+
+
+def test_the_warning_says_whether_the_concentrated_coordinates_were_coupled():
+    model, blocks, _ = _intercepts_and_slopes()
+    for couple, expected in ((True, "preconditions 'AutoNormal.locs.alpha', 'AutoNormal.locs.beta'"),
+                             (False, "not coupled with such a site")):  # fmt: skip
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            pdvi = _fit(model, blocks, 1, seed=0, couple=couple)
+        (warning,) = [w for w in record if "informed by about one block each" in str(w.message)]
+        assert expected in str(warning.message)
+        assert bool(pdvi.coupled_sites) == couple
 
 
 def test_coupling_speeds_up_the_split_of_intercept_and_group_effects():
