@@ -152,6 +152,25 @@ def test_pdvi_couples_the_intercept_and_slope_with_the_group_effects_and_writes_
     assert not torch.allclose(written, pdvi.state.consensus)
 
 
+def test_the_hessian_products_in_a_loop_give_the_vmapped_coupling():
+    """Where ``vmap`` cannot map the model, the Hessian products are taken one gradient at a
+    time: the same coupling, to the finite differences' rounding."""
+    model, blocks, _ = _intercepts_and_slopes()
+    couplings = []
+    for loop in (False, True):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=blocks)
+        if loop:
+            pdvi._same_noise_objective = False
+        _fit(model, blocks, 1, seed=0, pdvi=pdvi)
+        couplings.append(pdvi._coupling)
+    vmapped, looped = couplings
+    assert torch.equal(vmapped.rows, looped.rows) and torch.equal(vmapped.cols, looped.cols)
+    assert torch.allclose(vmapped.values, looped.values, rtol=1e-6)
+    assert torch.allclose(vmapped.step_growth, looped.step_growth, rtol=1e-6)
+
+
 def test_the_warning_says_whether_the_concentrated_coordinates_were_coupled():
     model, blocks, _ = _intercepts_and_slopes()
     for couple, expected in ((True, "preconditions 'AutoNormal.locs.alpha', 'AutoNormal.locs.beta'"),
