@@ -36,13 +36,13 @@ it does not hold.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
 from pyro.poutine.trace_struct import Trace
 from torch.distributions import Categorical, constraints
 
+from ..errors import warn_user
 from .handlers import is_subsample_site
 from .problem import BlockProblem
 from .sites import DataPlate, LocalSite
@@ -170,12 +170,11 @@ def exact_rows(problem: BlockProblem, names: Sequence[str]) -> list[str]:
         if bool(torch.isfinite(residual)) and residual <= LINEARITY_TOLERANCE * entropy_part:
             kept.append(name)
             continue
-        warnings.warn(
+        warn_user(
             f'PDVI found the local param "{name}" to be the logits of an enumerated categorical guide '
             "site, whose mean-field update is closed form, but on the first block the loss is not "
             "linear in the site's probabilities plus their entropy (gradient off the predicted by "
             f"{float(residual / entropy_part):.3g} of the entropy's part; a poutine.scale around the "
             "guide's site, or the param used elsewhere). Its rows are left to the L-BFGS solve.",
-            stacklevel=6,
         )
     return kept

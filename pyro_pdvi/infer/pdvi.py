@@ -21,7 +21,6 @@ over groups of sites (:mod:`~pyro_pdvi.infer.step_sizes`).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -31,7 +30,7 @@ from pyro.infer import ELBO, TraceEnum_ELBO
 from pyro.optim import PyroOptim
 
 from ..checks import check_choice, check_non_negative
-from ..errors import NonFiniteStepError
+from ..errors import NonFiniteStepError, warn_user
 from .blocks import BlockPartition
 from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate, find_non_finite
 from .coupling import CoupledLosses, Coupling
@@ -335,21 +334,19 @@ class PDVI(StepSizeUpkeep):
                 raise
             self._solve_loss = solve_loss(self.loss, None, self.antithetic, self._noisy_solve)
             self._objective.loss_fn = self._solve_loss.fn
-            warnings.warn(
+            warn_user(
                 f"PDVI could not vectorize the model over {self._solve_loss.loss.num_particles} "
                 f"particles for its block solves ({type(error).__name__}: {error}); they use the "
                 "loss as given. Write the model so that it broadcasts over a leading particle "
                 "dimension (see Pyro's vectorize_particles), or pass particles=None.",
-                stacklevel=5,
             )
             self._objective.bind(first, [0], args, kwargs)(self._copies(self._state.consensus, 1), rows)
         if self._noisy_solve and getattr(self._solve_loss.loss, "num_particles", 2) == 1:
-            warnings.warn(
+            warn_user(
                 "PDVI holds the Monte Carlo noise fixed within each primal solve, and the solve's loss "
                 "draws one particle: it then minimises a one-sample surrogate whose optimum can be far "
                 "off (scales drift). Use particles='auto' or a Trace_ELBO, TraceMeanField_ELBO or "
                 "TraceEnum_ELBO, which PDVI can give more particles.",
-                stacklevel=5,
             )
 
     def _find_categorical_rows(self, found: FoundSites, args: tuple, kwargs: dict) -> tuple[str, ...]:
@@ -512,10 +509,9 @@ class PDVI(StepSizeUpkeep):
         self._step_sizes.damping = self._guard.halve()
         self._apply_step_sizes()
         self.diagnostics["damping"] = self._guard.damping
-        warnings.warn(
+        warn_user(
             f"{str(error).split(';')[0]}; the step was refused and is solved again with every step "
             f"size halved, now {self._guard.damping:g} of its rule's (diagnostics['damping'])",
-            stacklevel=4,
         )
 
     def _restore_step_sizes(self, consensus: torch.Tensor, step_sizes: torch.Tensor, damping: float) -> None:

@@ -6,7 +6,6 @@ cyclic order, a progress bar, the per-epoch losses and the convergence check of
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -14,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..checks import check_choice, check_positive_int
+from ..errors import warn_user
 from .convergence import ConvergenceMonitor
 
 if TYPE_CHECKING:
@@ -80,13 +80,12 @@ def run_epochs(
             break
     stalled = monitor.finish(len(losses)) if check_convergence else None
     if stalled is not None:
-        warnings.warn(
+        warn_user(
             f"PDVI.run has not converged: {stalled}. The mean consensus residual ||lambda_b - "
             f"lambda_0|| was {residuals[-1]:.2g} in the last epoch: if that is small, the blocks are "
             f"pinned to a consensus that creeps, and the step sizes {pdvi.step_sizes} are too small "
             f"for this model: try a larger eta (or eta=AutoStepSize(scale=...) above the "
             f"{pdvi.auto_step_size.scale:g} in use). Else run more epochs.",
-            stacklevel=3,
         )
     return RunResult(
         torch.tensor(losses),

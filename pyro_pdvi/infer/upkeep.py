@@ -22,12 +22,11 @@ A change of step sizes moves ``lambda_0`` with ``h = H mean(mu)`` and keeps the 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
 
-from ..errors import VectorizationError
+from ..errors import VectorizationError, warn_user
 from .coupling import measure_coupling
 from .fisher import fisher_diagonal
 from .objective import BlockObjective
@@ -64,10 +63,9 @@ class StepSizeUpkeep:
         if epoch_ended and self._guard.end_epoch():
             self._step_sizes.damping = self._guard.damping
             changed = True
-            warnings.warn(
+            warn_user(
                 f"PDVI step {self.num_steps}: the objective rose in {RISES} epochs in a row; every "
                 f"step size is now {self._guard.damping:g} of its rule's (diagnostics['damping'])",
-                stacklevel=4,
             )
         if epoch_ended and self._decays_steps() and self._stationarity.end_epoch(self._state.consensus):
             self._step_sizes.decay = self._stationarity.decay
@@ -156,7 +154,7 @@ class StepSizeUpkeep:
                 f"PDVI preconditions {coupled} together with them (PDVI.coupled_sites), which "
                 "speeds up that split."
             )
-        warnings.warn(
+        warn_user(
             f"PDVI: coordinates of {listed} are informed by about one block each (such as a group's "
             "random effect with one block per group). Each moves only when its block steps, and where "
             "the data fix only its sum with a site that every block informs (an intercept plus every "
@@ -164,7 +162,6 @@ class StepSizeUpkeep:
             "of docs/benchmarks.md (13l) PDVI's posterior means still trailed the best-tuned "
             "SVI+Adam's 1.3x at equal CPU seconds (its ELBO and standard deviations were ahead). "
             "PDVI.concentrated_sites lists these sites.",
-            stacklevel=6,
         )
 
     def _couple(self, args: tuple, kwargs: dict) -> None:
@@ -287,10 +284,9 @@ class StepSizeUpkeep:
         and keep the largest so far; ``lambda_0`` moves with ``h = H mean(mu)``."""
         unusable = self._step_sizes.update_curvatures(self._measure_curvatures(args, kwargs))
         if unusable:
-            warnings.warn(
+            warn_user(
                 f"PDVI step {self.num_steps}: re-measured curvature of groups {unusable} is not a "
                 "positive finite number; their step sizes are kept",
-                stacklevel=4,
             )
         self._apply_step_sizes()
         self.diagnostics["curvatures"] = self.curvatures

@@ -183,6 +183,17 @@ def test_the_warning_says_whether_the_concentrated_coordinates_were_coupled():
         assert bool(pdvi.coupled_sites) == couple
 
 
+def test_the_warning_points_at_the_users_line_through_run_too():
+    model, blocks, _ = _intercepts_and_slopes()
+    pyro.clear_param_store()
+    pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=blocks)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pdvi.run(1, progress_bar=False, subsample_arg="idx", check_convergence=False)
+    (warning,) = [w for w in record if "informed by about one block each" in str(w.message)]
+    assert warning.filename == __file__
+
+
 def test_coupling_speeds_up_the_split_of_intercept_and_group_effects():
     """After 5 epochs the coupled runs' rms error of the posterior means, averaged over four
     starts, is below 0.75x the uncoupled runs' (measured over six starts: 0.12 against 0.22 after
