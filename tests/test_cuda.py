@@ -4,10 +4,13 @@ synchronisation, and a PDVI step keeps all of its state on the device. Skipped w
 import pyro
 import pytest
 import torch
-from pyro.infer import TraceEnum_ELBO
+from pyro.infer import TraceEnum_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
 
 from pyro_pdvi import PDVI, BlockProblem
 from pyro_pdvi.models.gmm import GMMBlockSolver, GMMModel, make_biased_gmm
+
+from .toy_models import intercepts_and_slopes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -176,3 +179,26 @@ def test_batched_lbfgs_on_cuda_equals_cpu_without_synchronising():
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(result.x.cpu(), targets, rtol=0, atol=1e-8)
     torch.testing.assert_close(result.x.cpu(), cpu.x, rtol=0, atol=1e-10)
+
+
+def test_coupled_random_effects_keep_their_state_on_cuda():
+    """The coupling (``docs/benchmarks.md`` 13l) is measured and applied on the device: the map,
+    the state and the params stay there, and five epochs bring the means as close to the exact
+    posterior's as on the CPU (rms 0.12 there over six starts; loose bound, other noise draws)."""
+    model, blocks, mean = intercepts_and_slopes(device=CUDA)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=blocks)
+    for _ in range(5):
+        for block in blocks:
+            pdvi.step(block)
+    assert pdvi.coupled_sites == {
+        "AutoNormal.locs.alpha": ["AutoNormal.locs.a", "AutoNormal.locs.b"],
+        "AutoNormal.locs.beta": ["AutoNormal.locs.a", "AutoNormal.locs.b"],
+    }
+    assert pdvi._coupling.values.device.type == "cuda"
+    assert pdvi.state.duals.device.type == "cuda" and pdvi.state.consensus.device.type == "cuda"
+    names = ("alpha", "beta", "a", "b")
+    fitted = torch.cat([pyro.param(f"AutoNormal.locs.{n}").detach().reshape(-1) for n in names])
+    assert fitted.device.type == "cuda"
+    assert float((fitted.cpu() - mean).pow(2).mean().sqrt()) < 0.3

@@ -69,3 +69,38 @@ class LinearGaussian:
         H = A.T @ A / self.sigma**2 + torch.eye(self.d + self.N)
         solution = torch.linalg.solve(H, A.T @ self.y / self.sigma**2)
         return solution[: self.d], solution[self.d :]
+
+
+def intercepts_and_slopes(num_groups=8, size=6, device="cpu"):
+    """y = alpha + a_g + (beta + b_g) x + noise, one block per group (each group's x off centre,
+    so its data tie a_g and b_g to both alpha and beta). Returns model, blocks and the exact
+    posterior means of (alpha, beta, a, b), the mean-field optimum's too (a Gaussian target). The
+    model's data are float64 on ``device``; the blocks' indices and the means on the host."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(k):
+        return torch.randn(k, generator=g, dtype=torch.float64)
+
+    group = torch.arange(num_groups).repeat_interleave(size)
+    x = 2.0 * randn(num_groups)[group] + randn(len(group))
+    y = 1.0 + randn(num_groups)[group] + (0.5 + 0.3 * randn(num_groups)[group]) * x + 0.5 * randn(len(group))
+
+    x_data, y_data, group_data = x.to(device), y.to(device), group.to(device)
+
+    def model(idx=None):
+        zero = y_data.new_zeros(())
+        alpha = pyro.sample("alpha", dist.Normal(zero, 10.0))
+        beta = pyro.sample("beta", dist.Normal(zero, 10.0))
+        with pyro.plate("groups", num_groups):
+            a = pyro.sample("a", dist.Normal(zero, 1.0))
+            b = pyro.sample("b", dist.Normal(zero, 0.5))
+        with pyro.plate("data", len(y_data), subsample=idx) as i:
+            g = group_data[i]
+            mean = alpha + a[..., g] + (beta + b[..., g]) * x_data[i]
+            pyro.sample("y", dist.Normal(mean, 0.5), obs=y_data[i])
+
+    one_hot = torch.nn.functional.one_hot(group).to(y)
+    design = torch.cat([torch.ones(len(y), 1, dtype=y.dtype), x[:, None], one_hot, one_hot * x[:, None]], 1)
+    prior = torch.cat([y.new_full((2,), 0.01), y.new_ones(num_groups), y.new_full((num_groups,), 4.0)])
+    mean = torch.linalg.solve(torch.diag(prior) + design.T @ design / 0.25, design.T @ y / 0.25)
+    return model, [torch.nonzero(group == k).reshape(-1) for k in range(num_groups)], mean

@@ -1,7 +1,6 @@
 import warnings
 
 import pyro
-import pyro.distributions as dist
 import torch
 from pyro.infer import TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
@@ -9,6 +8,8 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_pdvi import PDVI
 from pyro_pdvi.infer.consensus import ConsensusState
 from pyro_pdvi.infer.coupling import Coupling, measure_coupling
+
+from ..toy_models import intercepts_and_slopes
 
 
 def _coupling() -> Coupling:
@@ -88,37 +89,6 @@ def test_measure_coupling_finds_the_elimination_of_an_exact_quadratic():
     assert float(coupling.step_growth[0]) > 10  # the shared coordinate was far stiffer than it is
 
 
-def _intercepts_and_slopes(num_groups=8, size=6):
-    """y = alpha + a_g + (beta + b_g) x + noise, one block per group (each group's x off centre,
-    so its data tie a_g and b_g to both alpha and beta). Returns model, blocks and the exact
-    posterior means of (alpha, beta, a, b), the mean-field optimum's too (a Gaussian target)."""
-    g = torch.Generator().manual_seed(0)
-
-    def randn(k):
-        return torch.randn(k, generator=g, dtype=torch.float64)
-
-    group = torch.arange(num_groups).repeat_interleave(size)
-    x = 2.0 * randn(num_groups)[group] + randn(len(group))
-    y = 1.0 + randn(num_groups)[group] + (0.5 + 0.3 * randn(num_groups)[group]) * x + 0.5 * randn(len(group))
-
-    def model(idx=None):
-        zero = y.new_zeros(())
-        alpha = pyro.sample("alpha", dist.Normal(zero, 10.0))
-        beta = pyro.sample("beta", dist.Normal(zero, 10.0))
-        with pyro.plate("groups", num_groups):
-            a = pyro.sample("a", dist.Normal(zero, 1.0))
-            b = pyro.sample("b", dist.Normal(zero, 0.5))
-        with pyro.plate("data", len(y), subsample=idx) as i:
-            mean = alpha + a[..., group[i]] + (beta + b[..., group[i]]) * x[i]
-            pyro.sample("y", dist.Normal(mean, 0.5), obs=y[i])
-
-    one_hot = torch.nn.functional.one_hot(group).to(y)
-    design = torch.cat([torch.ones(len(y), 1, dtype=y.dtype), x[:, None], one_hot, one_hot * x[:, None]], 1)
-    prior = torch.cat([y.new_full((2,), 0.01), y.new_ones(num_groups), y.new_full((num_groups,), 4.0)])
-    mean = torch.linalg.solve(torch.diag(prior) + design.T @ design / 0.25, design.T @ y / 0.25)
-    return model, [torch.nonzero(group == k).reshape(-1) for k in range(num_groups)], mean
-
-
 def _fit(model, blocks, epochs, seed, couple=True, pdvi=None, order=None):
     if pdvi is None:
         pyro.clear_param_store()
@@ -138,7 +108,7 @@ def _means() -> torch.Tensor:
 
 
 def test_pdvi_couples_the_intercept_and_slope_with_the_group_effects_and_writes_the_params():
-    model, blocks, _ = _intercepts_and_slopes()
+    model, blocks, _ = intercepts_and_slopes()
     pdvi = _fit(model, blocks, 1, seed=0)
     assert pdvi.coupled_sites == {
         "AutoNormal.locs.alpha": ["AutoNormal.locs.a", "AutoNormal.locs.b"],
@@ -155,7 +125,7 @@ def test_pdvi_couples_the_intercept_and_slope_with_the_group_effects_and_writes_
 def test_the_hessian_products_in_a_loop_give_the_vmapped_coupling():
     """Where ``vmap`` cannot map the model, the Hessian products are taken one gradient at a
     time: the same coupling, to the finite differences' rounding."""
-    model, blocks, _ = _intercepts_and_slopes()
+    model, blocks, _ = intercepts_and_slopes()
     couplings = []
     for loop in (False, True):
         pyro.clear_param_store()
@@ -172,7 +142,7 @@ def test_the_hessian_products_in_a_loop_give_the_vmapped_coupling():
 
 
 def test_the_warning_says_whether_the_concentrated_coordinates_were_coupled():
-    model, blocks, _ = _intercepts_and_slopes()
+    model, blocks, _ = intercepts_and_slopes()
     for couple, expected in ((True, "preconditions 'AutoNormal.locs.alpha', 'AutoNormal.locs.beta'"),
                              (False, "not coupled with such a site")):  # fmt: skip
         with warnings.catch_warnings(record=True) as record:
@@ -184,7 +154,7 @@ def test_the_warning_says_whether_the_concentrated_coordinates_were_coupled():
 
 
 def test_the_warning_points_at_the_users_line_through_run_too():
-    model, blocks, _ = _intercepts_and_slopes()
+    model, blocks, _ = intercepts_and_slopes()
     pyro.clear_param_store()
     pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=blocks)
     with warnings.catch_warnings(record=True) as record:
@@ -199,7 +169,7 @@ def test_coupling_speeds_up_the_split_of_intercept_and_group_effects():
     starts, is below 0.75x the uncoupled runs' (measured over six starts: 0.12 against 0.22 after
     5 epochs, 0.17 against 0.29 after 3; the intercept's error 0.041 against 0.083). Per start
     and epoch it can lose, in the Monte Carlo noise."""
-    model, blocks, mean = _intercepts_and_slopes()
+    model, blocks, mean = intercepts_and_slopes()
     errors = {}
     for couple in (False, True):
         errors[couple] = 0.0
@@ -210,7 +180,7 @@ def test_coupling_speeds_up_the_split_of_intercept_and_group_effects():
 
 
 def test_a_resumed_coupled_run_continues_as_the_uninterrupted_one():
-    model, blocks, _ = _intercepts_and_slopes()
+    model, blocks, _ = intercepts_and_slopes()
 
     def run(split: bool) -> torch.Tensor:
         order = torch.Generator().manual_seed(1)
