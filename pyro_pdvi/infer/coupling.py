@@ -136,7 +136,8 @@ def measure_coupling(
     the reduced curvature ``S_s = sum_b v_s^T H_b v_s``: ``s`` is coupled where
     ``E_s >= EXPLAINED_FRACTION * H_ss`` (``H_ss = E_s + S_s``), and its step size grows by
     ``H_ss / S_s``. A direction of negative curvature (``S_s <= 0``: a non-convex spot, such as a
-    noise scale and the effects of groups whose residuals are large) is never coupled.
+    noise scale and the effects of groups whose residuals are large) is never coupled, nor a
+    block's coordinates whose products are not finite or whose ``H_JJ`` is not positive definite.
 
     :param hessian_products: ``(b, V) -> V H_b``, block ``b``'s Hessian times each row of
         ``V`` (``(k, P)``), at ``lambda_0`` and fixed noise.
@@ -162,6 +163,8 @@ def measure_coupling(
             ratio = torch.cholesky_solve(cross, torch.linalg.cholesky((stiffness + stiffness.T) / 2))
         except RuntimeError:  # not positive definite here: this block's coordinates stay apart
             ratio = torch.zeros_like(cross)
+        if not bool(torch.isfinite(ratio).all() & torch.isfinite(cross).all()):  # left the domain
+            cross, ratio = torch.zeros_like(cross), torch.zeros_like(cross)
         ratios.append(ratio)
         explained += (cross * ratio).sum(0)
     concentrated = torch.cat(owned)

@@ -107,6 +107,38 @@ def _means() -> torch.Tensor:
     return torch.cat([pyro.param(f"AutoNormal.locs.{n}").detach().reshape(-1) for n in names])
 
 
+def test_measure_coupling_leaves_apart_what_it_could_not_measure():
+    """Block 1's Hessian columns are NaN (its gradient left the model's domain there): its
+    coordinate is not coupled, the others are. Where a reduced curvature is not finite, nothing is
+    coupled: the map never holds a non-finite entry."""
+    n, size = 3, 5
+    hessians = []
+    for b in range(n):
+        a = torch.diag(torch.full((size,), 0.1, dtype=torch.float64))
+        a[0, 0] += 10.0
+        a[2 + b, 2 + b] += 10.0
+        a[0, 2 + b] = a[2 + b, 0] = 10.0
+        hessians.append(a)
+    owned = [torch.tensor([2 + b]) for b in range(n)]
+    information = torch.stack([torch.diagonal(a) for a in hessians])
+    shared = torch.tensor([True, True, False, False, False])
+
+    def columns_lost(b, v):  # the first pass asks for unit vectors of owned coordinates
+        if b == 1 and bool((v[:, 3] == 1).all()):
+            return torch.full_like(v, float("nan"))
+        return v @ hessians[b]
+
+    coupling = measure_coupling(columns_lost, owned, shared, information)
+    assert coupling is not None
+    assert sorted(coupling.rows.tolist()) == [2, 4]
+    assert bool(torch.isfinite(coupling.values).all()) and bool(torch.isfinite(coupling.step_growth).all())
+
+    def all_lost(b, v):
+        return torch.full_like(v, float("nan")) if b == 1 else v @ hessians[b]
+
+    assert measure_coupling(all_lost, owned, shared, information) is None
+
+
 def test_pdvi_couples_the_intercept_and_slope_with_the_group_effects_and_writes_the_params():
     model, blocks, _ = intercepts_and_slopes()
     pdvi = _fit(model, blocks, 1, seed=0)
