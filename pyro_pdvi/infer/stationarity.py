@@ -26,6 +26,7 @@ A change of step sizes keeps PD-VI's fixed point (``lambda_0`` moves with ``h = 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,6 +78,17 @@ class StationarityTest:
         self.counts = torch.where(stationary, 0.0, self.counts)
         self.last_move = torch.where(stationary, 0.0, self.last_move)
         return True
+
+    def change_coordinates(self, forward: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Carry the last ``lambda_0`` and move into new coordinates ``lambda~ = T lambda``
+        (:mod:`~pyro_pdvi.infer.coupling`), so that the next move is measured in one of them.
+
+        :param forward: ``x -> T x`` along the last axis, on the host in float64.
+        """
+        if self.previous is not None:
+            self.previous = forward(self.previous)
+        if self.last_move is not None:
+            self.last_move = forward(self.last_move)
 
     def state_dict(self) -> dict[str, Any]:
         return {key: _copy(getattr(self, key)) for key in _KEYS}

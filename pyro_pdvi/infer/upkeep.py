@@ -193,6 +193,7 @@ class StepSizeUpkeep:
             return
         self._coupling = coupling.to(state.consensus)
         state.change_coordinates(self._coupling.forward, self._coupling.dual_forward, self._rule_step_sizes())
+        self._stationarity.change_coordinates(coupling.to(torch.zeros((), dtype=torch.float64)).forward)
         self._write_consensus()
 
     def _block_gradients_at(

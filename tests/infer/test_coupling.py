@@ -8,6 +8,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_pdvi import PDVI
 from pyro_pdvi.infer.consensus import ConsensusState
 from pyro_pdvi.infer.coupling import Coupling, measure_coupling
+from pyro_pdvi.infer.stationarity import StationarityTest
 
 from ..toy_models import intercepts_and_slopes
 
@@ -54,6 +55,18 @@ def test_change_of_coordinates_keeps_the_point_without_h_and_the_duals_pairing()
     assert torch.allclose(coupling.inverse(state.copies), copies)
     assert torch.allclose(coupling.dual_inverse(state.duals), duals)
     assert torch.allclose(state.dual_mean, state.duals.mean(0))
+
+
+def test_the_stationarity_test_measures_the_next_move_in_the_new_coordinates():
+    coupling = _coupling()
+    points = torch.randn(3, 5, dtype=torch.float64)
+    test = StationarityTest()
+    test.end_epoch(points[0])
+    test.end_epoch(points[1])
+    test.change_coordinates(coupling.forward)
+    assert torch.allclose(test.last_move, coupling.forward(points[1] - points[0]))
+    test.end_epoch(coupling.forward(points[2]))
+    assert torch.allclose(test.last_move, coupling.forward(points[2] - points[1]))
 
 
 def test_measure_coupling_finds_the_elimination_of_an_exact_quadratic():
