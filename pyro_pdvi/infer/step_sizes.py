@@ -502,6 +502,14 @@ class StepSizes:
         self.etas = torch.where(self.measured_groups, self.curvature_scale / self.curvatures, self.etas)
         return [g.name for g, ok in zip(self.groups, usable.tolist()) if not ok]
 
+    def natural_coordinates(self) -> torch.Tensor:
+        """Which coordinates take the natural rule's step size (``eta_j = scale * n / F_j``, a
+        block's share of their curvature): an ``"auto"`` group's coordinates with Fisher
+        information, under the natural rule; flat, boolean, on the host."""
+        if not self.natural or self.fisher is None:
+            return torch.zeros_like(self.group_of, dtype=torch.bool)
+        return (self.measured_groups[self.group_of] & (self.fisher > 0)).cpu()
+
     def per_coordinate(self, like: torch.Tensor) -> torch.Tensor:
         """``eta`` of every coordinate of the flat global vector, dtype and device of ``like``."""
         etas = self.etas[self.group_of]

