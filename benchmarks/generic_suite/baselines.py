@@ -58,6 +58,9 @@ PDVI_CONFIGS: dict[str, dict] = {
     "warmup0": {"warmup_epochs": 0.0},
     # The L-BFGS solve without the trust box of the default short solve (13f), for a before/after.
     "no_trust": {"solver": GenericSolver(trust=None)},
+    # Blocks that own concentrated coordinates solved with the same three evaluations as the
+    # others, the default before 13m, for a before/after inside one run.
+    "short_concentrated": {"solver": GenericSolver(concentrated_steps=3)},
     # The scales of Gaussian global sites moved by the primal-dual iteration, the default before
     # their fixed point (13i), for a before/after inside one run.
     "scale_pd": {"scale_update": "primal_dual"},

@@ -135,6 +135,12 @@ class ConsensusState:
             (total > 0) & (effective_blocks <= CONCENTRATED_BLOCKS) & (self.num_measured == self.num_blocks)
         )
 
+    def owners(self, coordinates: torch.Tensor) -> torch.Tensor:
+        """Which blocks inform some of ``coordinates`` (a boolean mask) most, ``(n,)``, on the CPU."""
+        owners = torch.zeros(self.num_blocks, dtype=torch.bool)
+        owners[self.information.argmax(0)[coordinates].cpu()] = True
+        return owners
+
     def information_share(
         self, step_information: torch.Tensor, num_step_blocks: torch.Tensor
     ) -> torch.Tensor:

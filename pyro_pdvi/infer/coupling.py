@@ -27,14 +27,20 @@ with ``E^2 = 0``: ``T^{-1} = I - E``, and the duals, which pair with differences
 transform by ``T^{-T} = I - E^T``.
 
 ``T`` and the growth are measured once, when the concentrated coordinates are found (after every
-block's first step), from Hessian-vector products of every block (:func:`measure_coupling`):
-about one gradient per concentrated coordinate and one per block and coupled shared coordinate,
-1.5-2 CPU s on the suite's random-effects model (``docs/benchmarks.md`` 13l). The Hessian moves
-as the hyper-scales and noise scale settle; ``T`` does not follow it (any ``T`` keeps the fixed
-point; a stale one is only a weaker preconditioner). Only coordinates whose step sizes follow
-the natural rule (a block's share of each coordinate's curvature) are coupled: the growth presumes
-them, and with one step size for a whole group (a fixed ``eta``, a Delta guide's curvature rule) a
-MAP fit of the suite's model went slower coupled (13l).
+block's first step), from Hessian-vector products of every block (:func:`measure_coupling`), by
+double backward: one model evaluation per block and pass, one backward pass per direction
+(``docs/benchmarks.md`` 13m: 1.6-1.9 CPU s on the suite's random-effects model, 60 model
+evaluations and 300 backward passes; 13l's finite differences of ``vmap``-ped gradients took
+about 0.5 s plus, once per process, 0.8-1.2 s for torch's import of its ``vmap`` machinery, and
+needed a model that ``vmap`` can map). The Hessian moves as the hyper-scales and noise scale
+settle; ``T`` does not follow it (any ``T`` keeps the fixed point; a stale one is only a weaker
+preconditioner). Only coordinates whose step sizes follow the natural rule (a block's share of
+each coordinate's curvature) are coupled: the growth presumes them, and with one step size for a
+whole group (a fixed ``eta``, a Delta guide's curvature rule) a MAP fit of the suite's model went
+slower coupled (13l). And only a shared coordinate that shifts some site's concentrated
+coordinates alike, as an intercept does every group's effect: a noise scale's cross-curvature
+with the group effects, large while the residuals are, has each group's sign and vanishes at the
+optimum (13m).
 """
 
 from __future__ import annotations
@@ -52,6 +58,11 @@ if TYPE_CHECKING:
 #: fraction of its curvature (``E_s / H_ss``, :func:`measure_coupling`): there the reduced
 #: curvature is far below ``H_ss``; elsewhere the diagonal preconditioner is nearly right.
 EXPLAINED_FRACTION = 0.5
+
+#: A shared coordinate is coupled only where it shifts one site's concentrated coordinates alike:
+#: the entries of ``R`` of one sign carry at least this fraction of that site's ``sum |R_js|``
+#: (:func:`measure_coupling`).
+COMMON_SHIFT_FRACTION = 0.9
 
 #: A coupled coordinate's step size grows by at most this factor (``H_ss / reduced``), so that a
 #: reduced curvature lost in the finite differences' error cannot make it unbounded.
@@ -127,6 +138,7 @@ def measure_coupling(
     owned: list[torch.Tensor],
     shared: torch.Tensor,
     information: torch.Tensor,
+    sites: torch.Tensor | None = None,
 ) -> Coupling | None:
     """Find ``R`` and how much the coupled coordinates' step sizes grow.
 
@@ -141,6 +153,14 @@ def measure_coupling(
     ``H_ss / S_s``. A direction of negative curvature (``S_s <= 0``: a non-convex spot, such as a
     noise scale and the effects of groups whose residuals are large) is never coupled, nor a
     block's coordinates whose products are not finite or whose ``H_JJ`` is not positive definite.
+    With ``sites``, ``s`` must also shift the concentrated coordinates of some site alike (the
+    entries of one sign carry :data:`COMMON_SHIFT_FRACTION` of the site's ``sum |R_js|``), as an
+    intercept shifts every group's effect: a cross-curvature that the residuals make takes each
+    group's residual's sign instead, and vanishes at the optimum (the Fisher information of a
+    location and a log-scale is diagonal). Measured on the suite's random-effects model, where
+    the noise scale's log passed the other tests on two seeds of four after the first epoch,
+    with ``R`` of both signs over the groups (12 and 16), and coupled to them it dragged the
+    group effects with each of its moves (``docs/benchmarks.md`` 13m).
 
     :param hessian_products: ``(b, V) -> V H_b``, block ``b``'s Hessian times each row of
         ``V`` (``(k, P)``), at ``lambda_0`` and fixed noise.
@@ -150,6 +170,7 @@ def measure_coupling(
     :param information: every block's measured diagonal curvature, ``(n, P)`` (for the other
         blocks' shares of a concentrated coordinate, and to pass over shared coordinates that
         the concentrated ones barely touch).
+    :param sites: each coordinate's site, as an integer, ``(P,)`` (``None``: no common-shift test).
     :returns: the coupling, or ``None`` where no shared coordinate is coupled.
     """
     size = information.shape[1]
@@ -174,8 +195,10 @@ def measure_coupling(
     ratios = torch.cat(ratios)
     # A loose first cut by the measured diagonal, which Hutchinson's estimate can make several
     # times too large where coordinates are tied: the reduced curvature decides.
-    candidates = (explained >= EXPLAINED_FRACTION / 10 * information[:, shared_ids].sum(0)).nonzero()
-    candidates = candidates.reshape(-1)
+    candidates = explained >= EXPLAINED_FRACTION / 10 * information[:, shared_ids].sum(0)
+    if sites is not None:
+        candidates &= _shifts_a_site_alike(ratios, sites[concentrated])
+    candidates = candidates.nonzero().reshape(-1)
     if not len(candidates):
         return None
     directions = _units(information, shared_ids[candidates])
@@ -195,6 +218,18 @@ def measure_coupling(
         chosen[entries[:, 0], entries[:, 1]],
         growth,
     )
+
+
+def _shifts_a_site_alike(ratios: torch.Tensor, sites: torch.Tensor) -> torch.Tensor:
+    """For each column of ``ratios`` (``R_Js`` of every concentrated coordinate, ``(k, c)``),
+    whether the entries of one sign carry :data:`COMMON_SHIFT_FRACTION` of some site's
+    ``sum |R_js|``; ``sites`` gives each row's site."""
+    alike = torch.zeros(ratios.shape[1], dtype=torch.bool, device=ratios.device)
+    for site in sites.unique():
+        mine = ratios[sites == site]
+        up, down = mine.clamp(min=0).sum(0), (-mine).clamp(min=0).sum(0)
+        alike |= (up + down > 0) & (torch.maximum(up, down) >= COMMON_SHIFT_FRACTION * (up + down))
+    return alike
 
 
 def _units(like: torch.Tensor, coordinates: torch.Tensor) -> torch.Tensor:

@@ -253,6 +253,9 @@ class PDVI(StepSizeUpkeep):
         # The coordinates lambda~ = T lambda of the state, once concentrated coordinates are
         # coupled with shared ones (:mod:`~pyro_pdvi.infer.coupling`); None: the params'.
         self._coupling: Coupling | None = None
+        # The blocks that own concentrated coordinates the solve moves, (n,) on the CPU; None
+        # before every block was measured.
+        self._owns_concentrated: torch.Tensor | None = None
         self._pending_state: dict | None = None
         # Local sites whose rows the solves set in closed form (found at the set-up).
         self._categorical_rows: tuple[str, ...] = ()
@@ -570,8 +573,11 @@ class PDVI(StepSizeUpkeep):
         state = self._state
         indices = self.partition.stacked(block_ids, self.device)
         losses = self._objective.bind(indices, seeds, args, kwargs)
+        owns_concentrated = None
         if consensus is None:
             consensus, duals, step_sizes = state.consensus, state.duals[block_ids], state.step_sizes
+            if self._owns_concentrated is not None:
+                owns_concentrated = self._owns_concentrated[block_ids.cpu()]
             if self._coupling is not None:
                 losses = CoupledLosses(losses, self._coupling, self.layout)
         else:
@@ -592,6 +598,7 @@ class PDVI(StepSizeUpkeep):
             kwargs=kwargs,
             categorical_rows=self._categorical_rows,
             held=self._held,
+            owns_concentrated=owns_concentrated,
         )
 
     def _held_coordinates(self) -> dict[str, torch.Tensor]:
@@ -919,3 +926,4 @@ class PDVI(StepSizeUpkeep):
                 )
             if self._scales is not None:
                 self._scales.load_state_dict(state["scales"])
+        self._find_owners_of_concentrated()

@@ -57,6 +57,10 @@ class BlockProblem:
         that the solve must hold at ``lambda_0`` (their copies equal ``lambda_0``: a scale set by
         :mod:`~pyro_pdvi.infer.scales`); a generic solver respects it, a closed-form solver is
         never given one.
+    :param owns_concentrated: for each block, whether it informs some coordinate that no other
+        block informs (``ConsensusState.concentrated``, such as its group's random effect): that
+        coordinate moves only when the block steps, so a solver may solve such a block more
+        exactly. ``None``: not known (before every block was measured, or at vanishing step sizes).
     """
 
     blocks: torch.Tensor
@@ -73,6 +77,7 @@ class BlockProblem:
     kwargs: dict = field(default_factory=dict)
     categorical_rows: tuple[str, ...] = ()
     held: dict[str, torch.Tensor] = field(default_factory=dict)
+    owns_concentrated: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.indices.shape[0]
@@ -87,6 +92,7 @@ class BlockProblem:
             dual={k: v[keep] for k, v in self.dual.items()},
             local={k: v[keep] for k, v in self.local.items()},
             losses=None if self.losses is None else self.losses.select(i),
+            owns_concentrated=None if self.owns_concentrated is None else self.owns_concentrated[keep],
         )
 
     def penalty(self, copies: dict[str, torch.Tensor]) -> torch.Tensor:

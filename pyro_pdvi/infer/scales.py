@@ -177,8 +177,9 @@ def _scale_map(name: str, scale: torch.Tensor, leaf: torch.Tensor, layout: Globa
     size = len(flat)
     weights = 1.0 + torch.arange(size, device=flat.device).to(flat.dtype) / size
     try:
+        # Scalar outputs: an explicit grad_outputs tensor makes torch import sympy (0.5 CPU s, once).
         weighted, slopes = (
-            torch.autograd.grad(flat, leaf, w, retain_graph=True, allow_unused=True)[0]
+            torch.autograd.grad((flat * w).sum(), leaf, retain_graph=True, allow_unused=True)[0]
             for w in (weights, torch.ones_like(flat))
         )
     except RuntimeError:  # an op without a backward in this form: leave the site to the primal-dual iteration

@@ -8,7 +8,8 @@ After every accepted step (never inside one, so a refused step changes nothing):
   coordinates that about one block informs are coupled with the shared coordinates their
   blocks' data tie them to (:mod:`~pyro_pdvi.infer.coupling`: the state moves to coordinates in
   which an intercept and its groups' effects are preconditioned together), and a one-time
-  warning names their sites (there PD-VI can trail SVI: ``docs/benchmarks.md`` 13k, 13l);
+  warning names their sites (there PD-VI can trail SVI early on: ``docs/benchmarks.md`` 13k-13m;
+  the generic solver solves the blocks that own them with more evaluations, 13m);
 * under the natural rule (:mod:`~pyro_pdvi.infer.fisher`), once an epoch the guide's Fisher
   information is measured again at ``lambda_0``;
 * under the curvature rule, the curvatures are measured again when
@@ -26,18 +27,23 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import VectorizationError, warn_user
+from ..errors import warn_user
 from .coupling import measure_coupling
 from .fisher import fisher_diagonal
-from .objective import BlockObjective
 from .safeguard import RISES
 from .solvers import GenericSolver
 from .step_sizes import diagonal_curvature
 
-#: The finite differences' step of the coupling's Hessian products, relative to ``1 + max|lambda_0|``:
-#: large enough that a reduced curvature, a small difference of large ones, is not lost in rounding
-#: (a smooth objective is nearly quadratic over it; measured in ``docs/benchmarks.md`` 13l).
+#: Where the model's graph has no usable second derivative, the coupling's Hessian products are
+#: central differences of the gradient with this step, relative to ``1 + max|lambda_0|``: large
+#: enough that a reduced curvature, a small difference of large ones, is not lost in rounding (a
+#: smooth objective is nearly quadratic over it; forward differences with it in 13l).
 COUPLING_RELATIVE_STEP = 1e-2
+
+
+#: The first block's Hessian products by double backward are kept where they are within this
+#: relative distance of central differences of the gradient.
+SECOND_ORDER_TOLERANCE = 0.05
 
 
 class StepSizeUpkeep:
@@ -45,9 +51,11 @@ class StepSizeUpkeep:
 
     #: Whether concentrated coordinates are coupled with shared ones once found.
     couple_concentrated = True
-    #: The objective at one noise draw for every stacked copy (the coupling's Hessian products);
-    #: ``False`` once ``vmap`` failed on the model.
-    _same_noise_objective = None
+    #: Whether the model's graph has a usable second derivative (Hessian products by double
+    #: backward): ``None`` until the first products were checked against finite differences of
+    #: the gradient, ``False`` where they disagreed or double backward failed (the products are
+    #: then finite differences).
+    _second_order: bool | None = None
 
     def _adapt_step_sizes(self, block_ids: torch.Tensor, epoch: int, args: tuple, kwargs: dict) -> None:
         """After an accepted step: measure the blocks solved for the first time (the natural
@@ -120,10 +128,10 @@ class StepSizeUpkeep:
         probes = self.auto_step_size.curvature_probes
         seed = self._side_seed(-1)
         for b in new:
-            gradient = self._block_gradient(b, args, kwargs, seed + b)
-            # A probe that left the model's domain (a gradient that is not finite) measures
+            products = self._block_hessian_products(b, args, kwargs, seed + b)
+            # A probe that left the model's domain (a product that is not finite) measures
             # nothing: such a coordinate counts as uninformed, never as a step size of NaN.
-            curvature = diagonal_curvature(gradient, self._consensus_params, probes)
+            curvature = diagonal_curvature(products, self._consensus_params, probes)
             measured[b] = torch.where(torch.isfinite(curvature), curvature, 0.0)
             self._measured_blocks.add(b)
         # Each process measured its own new blocks: the sum over processes gives every row.
@@ -131,6 +139,7 @@ class StepSizeUpkeep:
         ids = measured.sum(1).nonzero().reshape(-1)
         found_before = bool(self._state.concentrated.any())
         self._state.set_information(ids, measured[ids])
+        self._find_owners_of_concentrated()
         if not found_before and bool(self._state.concentrated.any()):
             self._couple(args, kwargs)
             self._warn_of_concentrated_coordinates()
@@ -138,10 +147,19 @@ class StepSizeUpkeep:
             return False
         return self._step_sizes.bound_block_curvature(measured[ids].amax(0))
 
+    def _find_owners_of_concentrated(self) -> None:
+        """The blocks that inform most some concentrated coordinate that their solve moves (not a
+        scale held at its fixed point): the generic solver gives them its longer solve
+        (``GenericSolver.concentrated_steps``)."""
+        moved = self._state.concentrated.clone()
+        if self._scales is not None:
+            moved[self._scales.coordinates] = False
+        self._owns_concentrated = self._state.owners(moved)
+
     def _warn_of_concentrated_coordinates(self) -> None:
         """Tell the user, once, that some coordinates are informed by about one block each, whether
         they were coupled, and what that measured to cost against SVI (``docs/benchmarks.md``
-        13j-13l)."""
+        13j-13m)."""
         listed = ", ".join(f"{name!r} ({count})" for name, count in self.concentrated_sites.items())
         if self._coupling is None:
             remedy = (
@@ -159,8 +177,8 @@ class StepSizeUpkeep:
             "random effect with one block per group). Each moves only when its block steps, and where "
             "the data fix only its sum with a site that every block informs (an intercept plus every "
             f"group's effect) the split is left to the priors. {remedy} On the random-effects model "
-            "of docs/benchmarks.md (13l) PDVI's posterior means still trailed the best-tuned "
-            "SVI+Adam's 1.3x at equal CPU seconds (its ELBO and standard deviations were ahead). "
+            "of docs/benchmarks.md (13m), coupled, PDVI's posterior means trailed the best-tuned "
+            "SVI+Adam's for the first 10 CPU seconds and were 1.7x closer to the optimum after 20. "
             "PDVI.concentrated_sites lists these sites.",
         )
 
@@ -183,16 +201,16 @@ class StepSizeUpkeep:
         owner = state.information.argmax(0)
         owned = [(concentrated & (owner == b)).nonzero().reshape(-1) for b in range(len(self.partition))]
         shared = ~state.concentrated & eligible & (state.information_total > 0)
-        point = self._consensus_params.detach()
-        step = COUPLING_RELATIVE_STEP * (1.0 + float(point.abs().max()))
         seed = self._side_seed(-3)
 
         def hessian_products(b: int, directions: torch.Tensor) -> torch.Tensor:
-            points = torch.cat([point[None], point + step * directions])
-            gradients = self._block_gradients_at(b, points, args, kwargs, seed + b)
-            return (gradients[1:] - gradients[0]) / step
+            products = self._block_hessian_products(b, args, kwargs, seed + b, COUPLING_RELATIVE_STEP)
+            return products(directions)
 
-        coupling = measure_coupling(hessian_products, owned, shared, state.information)
+        sites = torch.empty(state.consensus.numel(), dtype=torch.long, device=state.consensus.device)
+        for number, span in enumerate(self.layout.slices.values()):
+            sites[span] = number
+        coupling = measure_coupling(hessian_products, owned, shared, state.information, sites)
         if coupling is None:
             return
         self._coupling = coupling.to(state.consensus)
@@ -200,43 +218,68 @@ class StepSizeUpkeep:
         self._stationarity.change_coordinates(coupling.to(torch.zeros((), dtype=torch.float64)).forward)
         self._write_consensus()
 
-    def _block_gradients_at(
-        self, b: int, points: torch.Tensor, args: tuple, kwargs: dict, seed: int
-    ) -> torch.Tensor:
-        """``grad_lambda f_b`` at each row of ``points`` (``(k, P)``), all at the noise of ``seed``
-        and the block's rows: in one ``vmap``-ped evaluation where the model allows it."""
-        if self._same_noise_objective is not False:
-            if self._same_noise_objective is None:
-                objective = self._objective
-                self._same_noise_objective = BlockObjective(
-                    objective.model, objective.guide, objective.loss_fn, objective.plate, self.layout,
-                    self.local_sites, randomness="same",
-                )  # fmt: skip
-            indices = self.partition.stacked(torch.full((len(points),), b), self.device)
-            losses = self._same_noise_objective.bind(indices, [seed] * len(points), args, kwargs)
-            flat = points.detach().requires_grad_()
-            try:
-                f = losses(self.layout.unflatten(flat), self._params.rows(indices), vectorize=True)
-                return torch.autograd.grad(f.sum(), flat)[0]
-            except VectorizationError:
-                self._same_noise_objective = False
-        gradient = self._block_gradient(b, args, kwargs, seed)
-        return torch.stack([gradient(p) for p in points])
-
-    def _block_gradient(
-        self, b: int, args: tuple, kwargs: dict, seed: int
+    def _block_hessian_products(
+        self, b: int, args: tuple, kwargs: dict, seed: int, relative_step: float | None = None
     ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``lambda -> grad_lambda f_b(phi_b, lambda)`` at the block's rows, the noise of ``seed``."""
+        """``V -> V H_b``, block ``b``'s Hessian in the globals at ``lambda_0`` times each row of
+        ``V`` (``(k, P)``), at the noise of ``seed`` and the block's rows: by double backward
+        through one evaluation (each product costs a backward pass, not a model call), or where
+        the model's graph has no second derivative by central differences of the gradient, their
+        step ``relative_step`` times ``1 + max|lambda_0|`` (default ``sqrt(eps)``)."""
         indices = self.partition.stacked(torch.tensor([b]), self.device)
         losses = self._objective.bind(indices, [seed], args, kwargs)
         rows = self._params.rows(indices)
+        consensus = self._consensus_params.detach()
 
-        def gradient(point: torch.Tensor) -> torch.Tensor:
+        def gradient_at(point: torch.Tensor, create_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
             point = point.detach().requires_grad_()
             copies = {k: v.unsqueeze(0) for k, v in self.layout.unflatten(point).items()}
-            return torch.autograd.grad(losses(copies, rows).sum(), point)[0]
+            (gradient,) = torch.autograd.grad(losses(copies, rows).sum(), point, create_graph=create_graph)
+            return point, gradient
 
-        return gradient
+        def by_double_backward(directions: torch.Tensor) -> torch.Tensor:
+            point, gradient = gradient_at(consensus, create_graph=True)
+            if not gradient.requires_grad:  # linear in the globals
+                return torch.zeros_like(directions)
+            products = []
+            for v in directions:
+                # A scalar output: an explicit grad_outputs tensor makes torch import sympy.
+                (product,) = torch.autograd.grad(
+                    (gradient * v).sum(), point, retain_graph=True, allow_unused=True
+                )
+                products.append(torch.zeros_like(v) if product is None else product)
+            return torch.stack(products).detach()
+
+        def by_differences(directions: torch.Tensor) -> torch.Tensor:
+            step = (relative_step or float(torch.finfo(consensus.dtype).eps) ** 0.5) * (
+                1.0 + float(consensus.abs().max())
+            )
+            return torch.stack(
+                [(gradient_at(consensus + step * v)[1] - gradient_at(consensus - step * v)[1]) / (2 * step)
+                 for v in directions]
+            )  # fmt: skip
+
+        def products(directions: torch.Tensor) -> torch.Tensor:
+            if self._second_order is not False:
+                try:
+                    exact = by_double_backward(directions)
+                except RuntimeError:  # an op without a double backward
+                    self._second_order = False
+                else:
+                    if self._second_order:
+                        return exact
+                    # Checked once: an op whose backward is not differentiable (a custom
+                    # autograd.Function marked once_differentiable, as in some Pyro
+                    # distributions) drops its share of the products silently.
+                    differenced = by_differences(directions)
+                    if not bool(torch.isfinite(exact).all() and torch.isfinite(differenced).all()):
+                        return differenced
+                    error = float((exact - differenced).norm())
+                    self._second_order = error <= SECOND_ORDER_TOLERANCE * float(differenced.norm())
+                    return exact if self._second_order else differenced
+            return by_differences(directions)
+
+        return products
 
     def _rule_step_sizes(self) -> torch.Tensor:
         """The step sizes of the rule in the state's coordinates: a coupled coordinate's grow

@@ -5,12 +5,12 @@ import torch
 from pyro.infer import Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoNormal
 
-from pyro_pdvi import PDVI
+from pyro_pdvi import PDVI, GenericSolver
 from pyro_pdvi.infer.consensus import ConsensusState
 from pyro_pdvi.infer.coupling import Coupling, measure_coupling
 from pyro_pdvi.infer.stationarity import StationarityTest
 
-from ..toy_models import intercepts_and_slopes
+from ..toy_models import Hierarchical, intercepts_and_slopes
 
 
 def _coupling() -> Coupling:
@@ -102,6 +102,34 @@ def test_measure_coupling_finds_the_elimination_of_an_exact_quadratic():
     assert float(coupling.step_growth[0]) > 10  # the shared coordinate was far stiffer than it is
 
 
+def test_measure_coupling_couples_only_a_common_shift_of_a_site():
+    """Shared coordinate 0 is an intercept (its cross-curvature with every block's own coordinate
+    is positive), coordinate 1 a noise scale at a point with large residuals (cross-curvatures of
+    both signs, strong enough to pass the curvature tests). Both are coupled without ``sites``;
+    with them, only the intercept, which shifts the site's coordinates alike."""
+    n, size = 4, 6
+    signs = [1.0, -1.0, 1.0, -1.0]
+    hessians = []
+    for b in range(n):
+        a = torch.diag(torch.full((size,), 0.5 / n, dtype=torch.float64))
+        a[0, 0] += 10.0
+        a[1, 1] += 10.0
+        a[2 + b, 2 + b] += 20.0
+        a[0, 2 + b] = a[2 + b, 0] = 14.0
+        a[1, 2 + b] = a[2 + b, 1] = 13.0 * signs[b]
+        hessians.append(a)
+    owned = [torch.tensor([2 + b]) for b in range(n)]
+    shared = torch.tensor([True, True, False, False, False, False])
+    information = torch.stack([torch.diagonal(a) for a in hessians])
+    sites = torch.tensor([0, 1, 2, 2, 2, 2])
+
+    def products(b, v):
+        return v @ hessians[b]
+
+    assert set(measure_coupling(products, owned, shared, information).cols.tolist()) == {0, 1}
+    assert set(measure_coupling(products, owned, shared, information, sites).cols.tolist()) == {0}
+
+
 def _fit(model, blocks, epochs, seed, couple=True, pdvi=None, order=None):
     if pdvi is None:
         pyro.clear_param_store()
@@ -180,23 +208,23 @@ def test_a_delta_guide_stays_uncoupled():
     assert pdvi.coupled_sites == {}
 
 
-def test_the_hessian_products_in_a_loop_give_the_vmapped_coupling():
-    """Where ``vmap`` cannot map the model, the Hessian products are taken one gradient at a
-    time: the same coupling, to the finite differences' rounding."""
+def test_finite_differences_give_the_coupling_of_double_backward():
+    """Where the model's graph has no second derivative, the Hessian products are central
+    differences of the gradient: the same coupling, to their truncation error."""
     model, blocks, _ = intercepts_and_slopes()
     couplings = []
-    for loop in (False, True):
+    for second_order in (True, False):
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
         pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=blocks)
-        if loop:
-            pdvi._same_noise_objective = False
+        pdvi._second_order = second_order
         _fit(model, blocks, 1, seed=0, pdvi=pdvi)
+        assert pdvi._second_order == second_order
         couplings.append(pdvi._coupling)
-    vmapped, looped = couplings
-    assert torch.equal(vmapped.rows, looped.rows) and torch.equal(vmapped.cols, looped.cols)
-    assert torch.allclose(vmapped.values, looped.values, rtol=1e-6)
-    assert torch.allclose(vmapped.step_growth, looped.step_growth, rtol=1e-6)
+    exact, differenced = couplings
+    assert torch.equal(exact.rows, differenced.rows) and torch.equal(exact.cols, differenced.cols)
+    assert torch.allclose(exact.values, differenced.values, rtol=1e-3)
+    assert torch.allclose(exact.step_growth, differenced.step_growth, rtol=1e-3)
 
 
 def test_the_warning_says_whether_the_concentrated_coordinates_were_coupled():
@@ -235,6 +263,51 @@ def test_coupling_speeds_up_the_split_of_intercept_and_group_effects():
             _fit(model, blocks, 5, seed, couple)
             errors[couple] += float((_means() - mean).pow(2).mean().sqrt()) / 4
     assert errors[True] < 0.75 * errors[False]
+
+
+def _counting_steps(solver: GenericSolver) -> list[int]:
+    """Record the evaluations of every solve ``solver`` makes."""
+    steps = []
+    solve = solver.solve
+
+    def counted(problem):
+        steps.append(solver.steps_for(problem))
+        return solve(problem)
+
+    solver.solve = counted
+    return steps
+
+
+def test_blocks_that_own_concentrated_coordinates_get_the_longer_solve():
+    """The generic solver takes ``concentrated_steps`` evaluations for a block that owns
+    concentrated coordinates (a group's intercept and slope), ``inner_steps`` before they are
+    found and for a model without them; with 5 rather than 3 the rms error of the means after 5
+    epochs, over four starts, is below 0.8x (measured: 0.066 against 0.128)."""
+    model, blocks, mean = intercepts_and_slopes()
+    errors = {}
+    for concentrated_steps in (3, 5):
+        errors[concentrated_steps] = 0.0
+        for seed in range(4):
+            pyro.clear_param_store()
+            pyro.set_rng_seed(seed)
+            solver = GenericSolver(concentrated_steps=concentrated_steps)
+            steps = _counting_steps(solver)
+            loss = TraceMeanField_ELBO()
+            pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), loss, blocks=blocks, solver=solver)
+            _fit(model, blocks, 5, seed, pdvi=pdvi)
+            assert steps[: len(blocks)] == [3] * len(blocks)  # found after every block's first step
+            assert steps[len(blocks) :] == [concentrated_steps] * (4 * len(blocks))
+            errors[concentrated_steps] += float((_means() - mean).pow(2).mean().sqrt()) / 4
+    assert errors[5] < 0.8 * errors[3]
+    problem = Hierarchical(num_data=20, num_blocks=4)
+    solver = GenericSolver()
+    steps = _counting_steps(solver)
+    loss = TraceMeanField_ELBO()
+    pdvi = PDVI(problem.model, problem.guide, pyro.optim.Adam({}), loss, blocks=problem.blocks, solver=solver)
+    for _ in range(2):
+        for block in problem.blocks:
+            pdvi.step(block)
+    assert not pdvi._owns_concentrated.any() and set(steps) == {3}
 
 
 def test_a_resumed_coupled_run_continues_as_the_uninterrupted_one():

@@ -110,7 +110,9 @@ def test_monte_carlo_noise_of_a_convex_fit_is_not_damped():
     """Bayesian logistic regression with Pyro's one-particle ELBO and the paper's global update
     (which hands each block's noise to lambda_0 in full): near the optimum the per-epoch
     objective estimate only wobbles with Monte Carlo noise, and PDVI keeps its step sizes; the
-    plain rule (exact f_b assumed), which these rises fool, damps the same run."""
+    plain rule (exact f_b assumed), which these rises fool, damps the same run. (How often it
+    damps depends on the trajectory: with the blocks' curvatures by finite differences, before
+    13m, it halved twice and the noise-aware rule once.)"""
     pyro.set_rng_seed(0)
     features = torch.randn(300, 20)
     labels = torch.distributions.Bernoulli(logits=features @ torch.randn(20)).sample()
@@ -146,5 +148,5 @@ def test_monte_carlo_noise_of_a_convex_fit_is_not_damped():
                     pdvi.step(blocks[b])
         return pdvi.diagnostics["damping"]
 
-    assert damping(monte_carlo_noise=True) >= 0.5
-    assert damping(monte_carlo_noise=False) <= 0.25
+    assert damping(monte_carlo_noise=True) == 1.0
+    assert damping(monte_carlo_noise=False) <= 0.5
