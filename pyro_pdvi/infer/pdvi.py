@@ -52,6 +52,10 @@ from .upkeep import StepSizeUpkeep
 #: Values of ``PDVI(scale_update=...)``.
 SCALE_UPDATES = ("auto", "fixed_point", "primal_dual")
 
+#: ``diagnostics["hessian_products"]``: how the blocks' Hessian products are taken
+#: (``StepSizeUpkeep._second_order``: not yet checked, by double backward, or by central differences).
+HESSIAN_PRODUCTS = {None: None, True: "double_backward", False: "central_differences"}
+
 #: A step refused for a non-finite value is solved again (fresh noise) up to this many times,
 #: every step size halved before each try; if all fail it raises, the state as before the step.
 REFUSED_STEP_RETRIES = 3
@@ -704,6 +708,7 @@ class PDVI(StepSizeUpkeep):
             "global_update": state.global_update,
             "damping": self._guard.damping,
             "step_decay": self._step_sizes.decay,
+            "hessian_products": HESSIAN_PRODUCTS[self._second_order],
         }
         return loss * (self.partition.num_data / num_indices)
 

@@ -178,7 +178,8 @@ class StepSizeUpkeep:
             "the data fix only its sum with a site that every block informs (an intercept plus every "
             f"group's effect) the split is left to the priors. {remedy} On the random-effects model "
             "of docs/benchmarks.md (13m), coupled, PDVI's posterior means trailed the best-tuned "
-            "SVI+Adam's for the first 10 CPU seconds and were 1.7x closer to the optimum after 20. "
+            "SVI+Adam's for the first 5-10 CPU seconds and were 1.3-1.7x closer to the optimum "
+            "after 20. "
             "PDVI.concentrated_sites lists these sites.",
         )
 

@@ -333,5 +333,7 @@ def test_blocks_are_measured_by_finite_differences_where_the_graph_has_no_second
             pdvi.step(block)
         information.append(pdvi.state.information)
         assert pdvi._second_order == second_order
+        expected = "double_backward" if second_order else "central_differences"
+        assert pdvi.diagnostics["hessian_products"] == expected
     assert information[0].abs().sum() > 0
     assert torch.allclose(information[0], information[1], rtol=1e-6)
