@@ -37,10 +37,10 @@ settle; ``T`` does not follow it (any ``T`` keeps the fixed point; a stale one i
 preconditioner). Only coordinates whose step sizes follow the natural rule (a block's share of
 each coordinate's curvature) are coupled: the growth presumes them, and with one step size for a
 whole group (a fixed ``eta``, a Delta guide's curvature rule) a MAP fit of the suite's model went
-slower coupled (13l). And only a shared coordinate that shifts some site's concentrated
-coordinates alike, as an intercept does every group's effect: a noise scale's cross-curvature
-with the group effects, large while the residuals are, has each group's sign and vanishes at the
-optimum (13m).
+slower coupled (13l). And only a shared coordinate that shifts alike the concentrated
+coordinates of the site it ties most, as an intercept does every group's effect: a noise
+scale's cross-curvature with the group effects, large while the residuals are, has each group's
+sign and vanishes at the optimum (13m).
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ if TYPE_CHECKING:
 #: curvature is far below ``H_ss``; elsewhere the diagonal preconditioner is nearly right.
 EXPLAINED_FRACTION = 0.5
 
-#: A shared coordinate is coupled only where it shifts one site's concentrated coordinates alike:
-#: the entries of ``R`` of one sign carry at least this fraction of that site's ``sum |R_js|``
-#: (:func:`measure_coupling`).
+#: A shared coordinate is coupled only where it shifts the concentrated coordinates of the site it
+#: ties most alike: the entries of ``R`` of one sign carry at least this fraction of that site's
+#: ``sum |R_js|`` (:func:`measure_coupling`).
 COMMON_SHIFT_FRACTION = 0.9
 
 #: A coupled coordinate's step size grows by at most this factor (``H_ss / reduced``), so that a
@@ -153,14 +153,15 @@ def measure_coupling(
     ``H_ss / S_s``. A direction of negative curvature (``S_s <= 0``: a non-convex spot, such as a
     noise scale and the effects of groups whose residuals are large) is never coupled, nor a
     block's coordinates whose products are not finite or whose ``H_JJ`` is not positive definite.
-    With ``sites``, ``s`` must also shift the concentrated coordinates of some site alike (the
-    entries of one sign carry :data:`COMMON_SHIFT_FRACTION` of the site's ``sum |R_js|``), as an
-    intercept shifts every group's effect: a cross-curvature that the residuals make takes each
-    group's residual's sign instead, and vanishes at the optimum (the Fisher information of a
-    location and a log-scale is diagonal). Measured on the suite's random-effects model, where
-    the noise scale's log passed the other tests on two seeds of four after the first epoch,
-    with ``R`` of both signs over the groups (12 and 16), and coupled to them it dragged the
-    group effects with each of its moves (``docs/benchmarks.md`` 13m).
+    With ``sites``, ``s`` must also shift alike the concentrated coordinates of the site that
+    carries most of its ``sum |R_js|`` (the entries of one sign carry
+    :data:`COMMON_SHIFT_FRACTION` of that site's), as an intercept shifts every group's effect:
+    a cross-curvature that the residuals make takes each group's residual's sign instead, and
+    vanishes at the optimum (the Fisher information of a location and a log-scale is diagonal).
+    Measured on the suite's random-effects model, where the noise scale's log passed the other
+    tests on two seeds of four after the first epoch, with ``R`` of both signs over the groups
+    (12 and 16), and coupled to them it dragged the group effects with each of its moves
+    (``docs/benchmarks.md`` 13m).
 
     :param hessian_products: ``(b, V) -> V H_b``, block ``b``'s Hessian times each row of
         ``V`` (``(k, P)``), at ``lambda_0`` and fixed noise.
@@ -222,14 +223,18 @@ def measure_coupling(
 
 def _shifts_a_site_alike(ratios: torch.Tensor, sites: torch.Tensor) -> torch.Tensor:
     """For each column of ``ratios`` (``R_Js`` of every concentrated coordinate, ``(k, c)``),
-    whether the entries of one sign carry :data:`COMMON_SHIFT_FRACTION` of some site's
-    ``sum |R_js|``; ``sites`` gives each row's site."""
-    alike = torch.zeros(ratios.shape[1], dtype=torch.bool, device=ratios.device)
+    whether in the site that carries most of its ``sum |R_js|`` the entries of one sign carry
+    :data:`COMMON_SHIFT_FRACTION` of that site's; ``sites`` gives each row's site."""
+    masses, alike = [], []
     for site in sites.unique():
         mine = ratios[sites == site]
         up, down = mine.clamp(min=0).sum(0), (-mine).clamp(min=0).sum(0)
-        alike |= (up + down > 0) & (torch.maximum(up, down) >= COMMON_SHIFT_FRACTION * (up + down))
-    return alike
+        masses.append(up + down)
+        alike.append((up + down > 0) & (torch.maximum(up, down) >= COMMON_SHIFT_FRACTION * (up + down)))
+    if not masses:
+        return torch.zeros(ratios.shape[1], dtype=torch.bool, device=ratios.device)
+    dominant = torch.stack(masses).argmax(0)
+    return torch.stack(alike).gather(0, dominant[None]).reshape(-1)
 
 
 def _units(like: torch.Tensor, coordinates: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,7 @@ def test_measure_coupling_couples_only_a_common_shift_of_a_site():
     """Shared coordinate 0 is an intercept (its cross-curvature with every block's own coordinate
     is positive), coordinate 1 a noise scale at a point with large residuals (cross-curvatures of
     both signs, strong enough to pass the curvature tests). Both are coupled without ``sites``;
-    with them, only the intercept, which shifts the site's coordinates alike."""
+    with them, only the intercept, which shifts the coordinates of the site it ties most alike."""
     n, size = 4, 6
     signs = [1.0, -1.0, 1.0, -1.0]
     hessians = []
@@ -127,6 +127,10 @@ def test_measure_coupling_couples_only_a_common_shift_of_a_site():
         return v @ hessians[b]
 
     assert set(measure_coupling(products, owned, shared, information).cols.tolist()) == {0, 1}
+    assert set(measure_coupling(products, owned, shared, information, sites).cols.tolist()) == {0}
+    # A small site that it does shift alike (one coordinate) does not rescue the noise scale: the
+    # site it ties most decides.
+    sites = torch.tensor([0, 1, 2, 2, 2, 3])
     assert set(measure_coupling(products, owned, shared, information, sites).cols.tolist()) == {0}
 
 
