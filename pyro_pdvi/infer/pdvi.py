@@ -258,7 +258,7 @@ class PDVI(StepSizeUpkeep):
         # coupled with shared ones (:mod:`~pyro_pdvi.infer.coupling`); None: the params'.
         self._coupling: Coupling | None = None
         # The blocks that own concentrated coordinates the solve moves, (n,) on the CPU; None
-        # before every block was measured.
+        # while there is no such coordinate.
         self._owns_concentrated: torch.Tensor | None = None
         self._pending_state: dict | None = None
         # Local sites whose rows the solves set in closed form (found at the set-up).

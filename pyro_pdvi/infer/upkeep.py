@@ -147,14 +147,20 @@ class StepSizeUpkeep:
             return False
         return self._step_sizes.bound_block_curvature(measured[ids].amax(0))
 
+    def _not_held(self, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` without the coordinates that the solves hold (scales set by their fixed point)."""
+        mask = mask.clone()
+        if self._scales is not None:
+            mask[self._scales.coordinates] = False
+        return mask
+
     def _find_owners_of_concentrated(self) -> None:
         """The blocks that inform most some concentrated coordinate that their solve moves (not a
         scale held at its fixed point): the generic solver gives them its longer solve
-        (``GenericSolver.concentrated_steps``)."""
-        moved = self._state.concentrated.clone()
-        if self._scales is not None:
-            moved[self._scales.coordinates] = False
-        self._owns_concentrated = self._state.owners(moved)
+        (``GenericSolver.concentrated_steps``). ``None`` while there is none (every block not yet
+        measured, or no such coordinate)."""
+        moved = self._not_held(self._state.concentrated)
+        self._owns_concentrated = self._state.owners(moved) if bool(moved.any()) else None
 
     def _warn_of_concentrated_coordinates(self) -> None:
         """Tell the user, once, that some coordinates are informed by about one block each, whether
@@ -195,9 +201,7 @@ class StepSizeUpkeep:
         # The growth of a coupled step size presumes step sizes in proportion to each coordinate's
         # curvature (the natural rule's): a fixed eta, or a group's one curvature-rule step (a
         # Delta guide's coordinates have no Fisher information), stays uncoupled.
-        eligible = self._step_sizes.natural_coordinates().to(state.concentrated.device)
-        if self._scales is not None:
-            eligible[self._scales.coordinates] = False
+        eligible = self._not_held(self._step_sizes.natural_coordinates().to(state.concentrated.device))
         concentrated = state.concentrated & eligible
         owner = state.information.argmax(0)
         owned = [(concentrated & (owner == b)).nonzero().reshape(-1) for b in range(len(self.partition))]

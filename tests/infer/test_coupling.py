@@ -311,7 +311,7 @@ def test_blocks_that_own_concentrated_coordinates_get_the_longer_solve():
     for _ in range(2):
         for block in problem.blocks:
             pdvi.step(block)
-    assert not pdvi._owns_concentrated.any() and set(steps) == {3}
+    assert pdvi._owns_concentrated is None and set(steps) == {3}
 
 
 def test_a_resumed_coupled_run_continues_as_the_uninterrupted_one():

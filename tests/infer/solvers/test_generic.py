@@ -175,6 +175,8 @@ def test_unequal_blocks_are_solved_as_problems_of_equal_sizes(batch_sizes):
         ({"vectorize": "yes"}, "Invalid vectorize"),
         ({"method": "adam"}, "Invalid method"),
         ({"inner_steps": 0}, "Invalid inner_steps"),
+        ({"concentrated_steps": 0}, "Invalid concentrated_steps"),
+        ({"concentrated_steps": 2.5}, "Invalid concentrated_steps"),
         ({"trust": 0.0}, "Invalid trust"),
         ({"trust": -1.0}, "Invalid trust: -1.0; use a positive float"),
         ({"trust": float("inf")}, "Invalid trust"),
