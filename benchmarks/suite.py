@@ -6,7 +6,8 @@ Models (``--models``; details in ``benchmarks/generic_suite/models.py``): ``logr
 with a local z per image, digits, 40 blocks sorted by digit), ``mixed`` (random intercept +
 slope with latent LogNormal hyper-scales, one block per group), ``hier`` (the hierarchical
 normal of README, 20 blocks sorted by x, one particle), ``scale`` (linear regression with an
-unknown noise sd whose guide is LogNormal, diabetes, 20 blocks sorted by bmi) and ``gmm``
+unknown noise sd whose guide is LogNormal, diabetes, 20 blocks sorted by bmi), ``odlogit``
+(``logreg`` with a Gaussian random effect per datum on the logit, a local latent) and ``gmm``
 (the flagship's GMM through the generic Pyro path, N = 100,000 in blocks of 1,000).
 
 Each model has an independent reference: the optimum of its mean-field family, from the

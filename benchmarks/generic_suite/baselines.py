@@ -75,6 +75,10 @@ PDVI_CONFIGS: dict[str, dict] = {
     "paper": {"global_update": "paper"},
     # P2D-VI: one automatic step size per global site, by the curvature rule.
     "per_site": {"groups": "per_site", "eta": AutoStepSize(rule="curvature")},
+    # The natural rule's constant below its default 1 (session 15's sweep).
+    "natural0.5": {"eta": AutoStepSize(scale=0.5)},
+    "natural0.25": {"eta": AutoStepSize(scale=0.25)},
+    "natural0.125": {"eta": AutoStepSize(scale=0.125)},
     # The issue's best hand setting on the logistic regression.
     "eta1_inner3_p16": {"eta": 1.0, "solver": GenericSolver(inner_steps=3), PARTICLES: 16},
     # The issue's best hand setting on PPCA (with the user's 8 particles there).

@@ -48,6 +48,7 @@ PLOTTED = {
     "mixed": ("rmse_mean", "hyper_sd_error"),
     "hier": ("mu_error", "mu_sd_error"),
     "scale": ("rmse_mean", "sigma_sd_error"),
+    "odlogit": ("rmse_mean", "sd_error"),
     "gmm": ("w2_ratio", "elbo_gap_resolved"),
 }
 
@@ -88,7 +89,7 @@ class Scorer:
             self.reference_w2 = self._w2(reference.params["m"], reference.params["rho"])
 
     def _is_local(self, name: str) -> bool:
-        return name in ("z_loc", "z_scale", "alpha") or name.endswith(".theta")
+        return name in ("z_loc", "z_scale", "alpha") or name.endswith((".theta", ".u"))
 
     def _w2(self, m: torch.Tensor, rho: torch.Tensor) -> float:
         prior = self.problem.prior64

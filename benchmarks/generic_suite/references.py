@@ -8,7 +8,7 @@ constant, so that it equals the expectation of Pyro's ``Trace_ELBO`` loss on the
 are keyed by their param-store names and given as the *constrained* values (scales
 positive); :func:`compute_reference` minimises it:
 
-* ``logreg``, ``mixed``, ``hier``, ``scale``: L-BFGS (scipy) in the unconstrained
+* ``logreg``, ``mixed``, ``hier``, ``scale``, ``odlogit``: L-BFGS (scipy) in the unconstrained
   coordinates ``(loc, log scale)``, then Newton steps with the exact Hessian until the
   gradient norm is ~1e-10. ``E log sigmoid(t)`` with ``t ~ N(m, v)`` is a 1-D Gaussian
   quadrature: the trapezoid rule in ``u = (t - m) / sqrt(v)`` on ``[-12, 12]`` with step
@@ -39,7 +39,16 @@ from scipy.optimize import minimize
 
 from pyro_pdvi.models import cavi, negative_elbo
 
-from .models import GMM, PPCA, HierarchicalNormal, LogisticRegression, MixedEffects, NormalScale, Problem
+from .models import (
+    GMM,
+    PPCA,
+    HierarchicalNormal,
+    LogisticRegression,
+    MixedEffects,
+    NormalScale,
+    OverdispersedLogistic,
+    Problem,
+)
 
 LOG_2PI = math.log(2 * math.pi)
 #: Nodes and weights of the quadrature of ``E f(u)``, ``u ~ N(0, 1)`` (see the module docstring).
@@ -98,6 +107,18 @@ def logreg_neg_elbo(problem: LogisticRegression, params: dict[str, torch.Tensor]
     likelihood = expected_log_sigmoid(sign * (x @ loc), x.square() @ scale.square()).sum()
     prior = expected_normal_log_prob(loc, scale, problem.prior_scale)
     return -(likelihood + prior + gaussian_entropy(scale))
+
+
+def odlogit_neg_elbo(problem: OverdispersedLogistic, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    x, y = problem.data["x"], problem.data["y"]
+    loc, scale = params["AutoNormal.locs.w"], params["AutoNormal.scales.w"]
+    u_loc, u_scale = params["AutoNormal.locs.u"], params["AutoNormal.scales.u"]
+    sign = 2 * y - 1
+    variance = x.square() @ scale.square() + u_scale.square()
+    likelihood = expected_log_sigmoid(sign * (x @ loc + u_loc), variance).sum()
+    prior = expected_normal_log_prob(loc, scale, problem.prior_scale)
+    prior = prior + expected_normal_log_prob(u_loc, u_scale, problem.effect_scale)
+    return -(likelihood + prior + gaussian_entropy(scale) + gaussian_entropy(u_scale))
 
 
 def ppca_neg_elbo(problem: PPCA, params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -187,6 +208,7 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "mixed": mixed_neg_elbo,
     "hier": hier_neg_elbo,
     "scale": scale_neg_elbo,
+    "odlogit": odlogit_neg_elbo,
     "gmm": gmm_neg_elbo,
 }
 
@@ -197,6 +219,7 @@ PARAM_NAMES: dict[str, list[str]] = {
     "mixed": auto_names("alpha", "beta", "tau_a", "tau_b", "sigma", "a", "b"),
     "hier": auto_names("mu", "theta"),
     "scale": auto_names("w", "sigma"),
+    "odlogit": auto_names("w", "u"),
     "gmm": ["m", "rho", "alpha"],
 }
 

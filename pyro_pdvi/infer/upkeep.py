@@ -183,8 +183,8 @@ class StepSizeUpkeep:
             "random effect with one block per group). Each moves only when its block steps, and where "
             "the data fix only its sum with a site that every block informs (an intercept plus every "
             f"group's effect) the split is left to the priors. {remedy} On the random-effects model "
-            "of docs/benchmarks.md (13m), coupled, PDVI's posterior means trailed the best-tuned "
-            "SVI+Adam's for the first 5-10 CPU seconds and were 1.3-1.7x closer to the optimum "
+            "of docs/benchmarks.md (13m, 13n), coupled, PDVI's posterior means trailed the best-tuned "
+            "SVI+Adam's for the first 5-10 CPU seconds and were 1.3-2x closer to the optimum "
             "after 20. "
             "PDVI.concentrated_sites lists these sites.",
         )

@@ -28,6 +28,7 @@ SMALL = {
     "mixed": lambda: models.MixedEffects(F64, num_groups=2),
     "hier": lambda: models.HierarchicalNormal(F64, num_data=6, num_blocks=2),
     "scale": lambda: models.NormalScale(F64, num_data=12, num_blocks=3),
+    "odlogit": lambda: models.OverdispersedLogistic(F64, num_data=12, num_blocks=3),
 }
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pyro_pdvi.infer.solvers import lbfgs
 from pyro_pdvi.infer.solvers.lbfgs import batched_lbfgs
 
 
@@ -229,3 +230,30 @@ def test_a_box_from_a_non_finite_start_gradient_leaves_the_other_blocks_free():
     assert torch.equal(result.x[1], x0[1])
     for b in (0, 2):
         torch.testing.assert_close(result.x[b], optimum[b], rtol=0, atol=1e-8 * float(optimum[b].norm()))
+
+
+def test_a_rejected_step_is_shortened_by_quadratic_interpolation_within_bounds():
+    value = torch.zeros(5, dtype=torch.float64)
+    slope = torch.tensor([-1.0, -1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+    # f(t) = -t + q t^2 along the step: the minimiser 1/(2q), kept within [0.1, 0.5].
+    q = torch.tensor([4.0, 100.0, 1.5, 4.0, 4.0], dtype=torch.float64)
+    trial = value + slope + q
+    trial[3] = float("inf")
+    factor = lbfgs._backtracking_factor(value, trial, slope)
+    expected = torch.tensor([0.125, 0.1, 1 / 3, 0.5, 0.5], dtype=torch.float64)
+    torch.testing.assert_close(factor, expected)
+
+
+def test_an_overshooting_quasi_newton_step_is_recovered_in_fewer_evaluations_than_by_halving(monkeypatch):
+    # f(x) = -x + exp(x - 5): flat near 0, a wall near 5. The step after the first (scaled
+    # steepest descent) step measures the flat part and overshoots the wall by about 15x.
+    def objective(x):
+        return (-x + torch.exp(x - 5.0)).sum(1)
+
+    start = torch.zeros(1, 1, dtype=torch.float64)
+    probe = batched_lbfgs(objective, start, max_iter=1)
+    interpolated = batched_lbfgs(objective, start, max_iter=4)
+    monkeypatch.setattr(lbfgs, "BACKTRACK_BOUNDS", (0.5, 0.5))
+    halved = batched_lbfgs(objective, start, max_iter=4)
+    assert interpolated.value.item() < probe.value.item() - 0.5
+    assert halved.value.item() == probe.value.item()  # still backtracking
