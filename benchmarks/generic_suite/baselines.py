@@ -75,7 +75,8 @@ PDVI_CONFIGS: dict[str, dict] = {
     "paper": {"global_update": "paper"},
     # P2D-VI: one automatic step size per global site, by the curvature rule.
     "per_site": {"groups": "per_site", "eta": AutoStepSize(rule="curvature")},
-    # The natural rule's constant below its default 1 (session 15's sweep).
+    # The natural rule's constant below its default 1 (13n: PPCA's first seconds gain, the
+    # scale and logistic regressions' means lose; not the default).
     "natural0.5": {"eta": AutoStepSize(scale=0.5)},
     "natural0.25": {"eta": AutoStepSize(scale=0.25)},
     "natural0.125": {"eta": AutoStepSize(scale=0.125)},

@@ -282,10 +282,10 @@ def batched_lbfgs(
         head = torch.where(store, (head + 1) % history_size, head)
         count = torch.where(store, (count + 1).clamp(max=history_size), count)
 
+        shorter = _backtracking_factor(value, trial_value, slope) * step_length
         x = torch.where(accept[:, None], trial, x)
         value = torch.where(accept, trial_value, value)
         grad = torch.where(accept[:, None], trial_grad, grad)
-        shorter = _backtracking_factor(value, trial_value, slope) * step_length
         step_length = torch.where(accept, 1.0, torch.where(reject, shorter, step_length))
         rejections = torch.where(accept, 0, rejections + reject.long())
         accepted_steps = accepted_steps + accept.long()
