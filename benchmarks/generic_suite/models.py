@@ -155,6 +155,10 @@ class LogisticRegression(Problem):
     """Bayesian logistic regression on breast_cancer, blocks sorted by label."""
 
     prior_scale = 1.0
+    #: The suite's name of the model, and how its title describes it and its guide.
+    short_name = "logreg"
+    description = "Bayesian logistic regression"
+    guide_description = "AutoNormal"
 
     def __init__(self, dtype: torch.dtype, num_data: int | None = None, num_blocks: int = 20) -> None:
         from sklearn.datasets import load_breast_cancer
@@ -163,9 +167,9 @@ class LogisticRegression(Problem):
         _, x = design_matrix(raw.data, num_data)
         y = torch.as_tensor(raw.target, dtype=torch.float64)[:num_data]
         super().__init__(
-            name="logreg",
-            title=f"Bayesian logistic regression, breast_cancer ({len(x)} x {x.shape[1]}), "
-            f"AutoNormal, {num_blocks} blocks sorted by label",
+            name=self.short_name,
+            title=f"{self.description}, breast_cancer ({len(x)} x {x.shape[1]}), "
+            f"{self.guide_description}, {num_blocks} blocks sorted by label",
             num_data=len(x),
             blocks=sorted_blocks(y, num_blocks),
             loss_class=Trace_ELBO,
@@ -192,13 +196,9 @@ class OverdispersedLogistic(LogisticRegression):
     Gaussian latent per datum, as in a model of extra-binomial variation."""
 
     effect_scale = 1.0
-
-    def __init__(self, dtype: torch.dtype, num_data: int | None = None, num_blocks: int = 20) -> None:
-        super().__init__(dtype, num_data, num_blocks)
-        self.name = "odlogit"
-        self.title = self.title.replace(
-            "Bayesian logistic regression", "overdispersed logistic regression (local u_i)"
-        ).replace("AutoNormal,", "AutoNormal with the data plate,")
+    short_name = "odlogit"
+    description = "overdispersed logistic regression (local u_i)"
+    guide_description = "AutoNormal with the data plate"
 
     def _model(self, idx):
         w = pyro.sample(
