@@ -807,11 +807,14 @@ class PDVI(StepSizeUpkeep):
         """The global sites with coordinates that about one block informs (at most
         :data:`~pyro_pdvi.infer.consensus.CONCENTRATED_BLOCKS` blocks by the effective number of
         informing blocks, known once every block has had a step; a group's random effect with one
-        block per group), and how many each has. Empty before every block was measured, or with
-        no such coordinate."""
+        block per group) and that the solves move, and how many each has. Empty before every
+        block was measured, or with no such coordinate. A scale set by its fixed point
+        (:mod:`~pyro_pdvi.infer.scales`) is not listed: no solve moves it, and the blocks measure
+        its curvature at the scales of their first visits (the first epoch's, then the fixed
+        point's), which can make one block look like its only source."""
         if self._state is None:
             return {}
-        concentrated = self._state.concentrated
+        concentrated = self._not_held(self._state.concentrated)
         counts = {name: int(concentrated[span].sum()) for name, span in self.layout.slices.items()}
         return {name: count for name, count in counts.items() if count}
 

@@ -11,7 +11,8 @@ After every accepted step (never inside one, so a refused step changes nothing):
   warning names their sites (there PD-VI can trail SVI early on: ``docs/benchmarks.md`` 13k-13m;
   the generic solver solves the blocks that own them with more evaluations, 13m);
 * under the natural rule (:mod:`~pyro_pdvi.infer.fisher`), once an epoch the guide's Fisher
-  information is measured again at ``lambda_0``;
+  information is measured again at ``lambda_0`` (a step size follows it down at once, up by at
+  most :data:`~pyro_pdvi.infer.step_sizes.FISHER_STEP_GROWTH` an epoch);
 * under the curvature rule, the curvatures are measured again when
   ``AutoStepSize.remeasure_epochs`` say so;
 * at the end of an epoch the rising-objective safeguard (:mod:`~pyro_pdvi.infer.safeguard`)
@@ -142,7 +143,8 @@ class StepSizeUpkeep:
         self._find_owners_of_concentrated()
         if not found_before and bool(self._state.concentrated.any()):
             self._couple(args, kwargs)
-            self._warn_of_concentrated_coordinates()
+            if self.concentrated_sites:
+                self._warn_of_concentrated_coordinates()
         if not self._step_sizes.natural or not len(ids):
             return False
         return self._step_sizes.bound_block_curvature(measured[ids].amax(0))

@@ -2,15 +2,18 @@
 re-measured during the run (``AutoStepSize.remeasure_epochs``), against exact values."""
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
 from torch.distributions import constraints
 
 import pyro_pdvi.infer.upkeep as upkeep
 from pyro_pdvi import PDVI, AutoStepSize, GenericSolver
 from pyro_pdvi.infer.sites import GlobalLayout, GlobalSite
 from pyro_pdvi.infer.step_sizes import (
+    FISHER_TOLERANCE,
     coordinate_groups,
     diagonal_curvature,
     estimate_curvatures,
@@ -180,6 +183,43 @@ def test_changing_eta_mid_run_keeps_the_exact_fixed_point():
 
 
 # The checkpoint round trip across a re-measure: tests/infer/test_pdvi.py.
+
+
+def test_a_natural_step_size_grows_at_most_fourfold_an_epoch_and_shrinks_at_once():
+    """AutoNormal's scales start at 0.1 and are held there for the first epoch; the posterior sd
+    of ``w`` is 0.91, so the Fisher information of its location falls 83x when the fixed point
+    sets the scale. The location's step size follows it 4x an epoch (its duals were gathered
+    under the smaller one) until it is within ``FISHER_TOLERANCE`` of the rule's value; where the
+    Fisher information rises again, the step size shrinks at once."""
+    num_data, noise = 20, 10.0
+    y = 3.0 * torch.randn(num_data, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0
+
+    def model(idx):
+        w = pyro.sample("w", dist.Normal(y.new_zeros(()), 1.0))
+        with pyro.plate("data", num_data, subsample=idx):
+            pyro.sample("y", dist.Normal(w, noise), obs=y[idx])
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    blocks = list(torch.arange(num_data).chunk(4))
+    pdvi = PDVI(
+        model, AutoNormal(model), pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=blocks, groups="per_site"
+    )
+    etas = []
+    for _ in range(5):
+        for block in blocks:
+            pdvi.step(block)
+        etas.append(pdvi.step_sizes["AutoNormal.locs.w"])
+    posterior_sd = (1 + num_data / noise**2) ** -0.5
+    assert float(pyro.param("AutoNormal.scales.w").detach()) == pytest.approx(posterior_sd, rel=1e-3)
+    start = len(blocks) * 0.1**2  # the natural rule, scale 1: eta = n sigma^2
+    natural = len(blocks) * posterior_sd**2
+    assert etas[:3] == pytest.approx([start * 4, start * 16, start * 64], rel=1e-4)
+    assert natural / FISHER_TOLERANCE <= etas[-1] <= natural
+    # A Fisher information 83x larger (the scale back at 0.1): the step size falls as much at once.
+    pdvi._step_sizes.set_fisher(pdvi._step_sizes.fisher * natural / start)
+    pdvi._apply_step_sizes()
+    assert pdvi.step_sizes["AutoNormal.locs.w"] == pytest.approx(etas[-1] * start / natural, rel=1e-4)
 
 
 @pytest.mark.parametrize(
