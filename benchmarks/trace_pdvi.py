@@ -7,8 +7,8 @@ step's whole move, the held scales' jump to their fixed point included).
 ``docs/benchmarks.md`` 13o found this way that the locations' step sizes grew 19-28x at once at
 the first epoch's last step (the scales' fixed point sets AutoNormal's scales then), which moved
 ``lambda_0`` away from the optimum with duals gathered under the small ones. The run is the
-suite's (:func:`benchmarks.generic_suite.runner.run_method`): the same start, block orders and
-configurations; it reads no seconds but the steps' own CPU time.
+suite's (:func:`benchmarks.generic_suite.runner.common_start`, as in ``run_method``): the same
+start, block orders and configurations; it reads no seconds but the steps' own CPU time.
 
 Examples::
 
@@ -28,13 +28,13 @@ if __package__ in (None, ""):
     # Run as a script: import this checkout's benchmarks and pyro_pdvi, not an installed copy.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pyro  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.generic_suite.baselines import PDVI_CONFIGS, pdvi  # noqa: E402
 from benchmarks.generic_suite.metrics import PLOTTED, Scorer  # noqa: E402
 from benchmarks.generic_suite.models import PROBLEM_NAMES, make_problem  # noqa: E402
 from benchmarks.generic_suite.references import compute_reference  # noqa: E402
+from benchmarks.generic_suite.runner import common_start  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,13 +72,8 @@ def trace(args: argparse.Namespace) -> list[dict]:
     problem = make_problem(args.model, args.quick)
     scorer = Scorer(problem, compute_reference(problem))
     primary, secondary = PLOTTED[args.model]
-    pyro.clear_param_store()
-    pyro.set_rng_seed(args.seed)
-    order = torch.Generator().manual_seed(args.seed)
+    guide, order, blocks = common_start(problem, args.seed)
     num_blocks = len(problem.blocks)
-    blocks = torch.randperm(num_blocks, generator=order).tolist()
-    guide = problem.make_guide()
-    problem.initialise(guide, problem.blocks[blocks[0]])
     algo = pdvi(args.pdvi_config).build(problem, guide).algo
     rows, seconds, events = [], 0.0, []
 

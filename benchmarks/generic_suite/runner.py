@@ -88,6 +88,23 @@ def _warning_text(caught: warnings.WarningMessage) -> str:
     return f"{caught.category.__name__}: {str(caught.message).splitlines()[0][:200]}"
 
 
+def common_start(problem: Problem, seed: int) -> tuple:
+    """The start every method shares: a cleared param store seeded with ``seed``, a fresh guide
+    with its params created on the first block of the first epoch, and the generator of the block
+    orders.
+
+    :returns: ``(guide, order, first_epoch)``: the guide, the generator that draws each later
+        epoch's order, and the first epoch's order of block indices.
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    order = torch.Generator().manual_seed(seed)
+    first_epoch = torch.randperm(len(problem.blocks), generator=order).tolist()
+    guide = problem.make_guide()
+    problem.initialise(guide, problem.blocks[first_epoch[0]])
+    return guide, order, first_epoch
+
+
 def run_method(
     problem: Problem,
     method: Method,
@@ -100,13 +117,8 @@ def run_method(
     """Fit ``problem`` with ``method`` from the common start; see the module docstring."""
     result = RunResult(problem.name, method.family, method.config, seed, load=(os.getloadavg()[0], math.nan))
     wall_start = time.perf_counter()
-    pyro.clear_param_store()
-    pyro.set_rng_seed(seed)
-    order = torch.Generator().manual_seed(seed)
+    guide, order, first_epoch = common_start(problem, seed)
     num_blocks = len(problem.blocks)
-    first_epoch = torch.randperm(num_blocks, generator=order).tolist()
-    guide = problem.make_guide()
-    problem.initialise(guide, problem.blocks[first_epoch[0]])
     fitter = None
     seconds, visits, last_record = 0.0, 0, 0.0
     step_calls: list[int] = []
