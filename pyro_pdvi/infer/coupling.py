@@ -28,9 +28,10 @@ transform by ``T^{-T} = I - E^T``.
 
 ``T`` and the growth are measured once, when the concentrated coordinates are found (after every
 block's first step), from Hessian-vector products of every block (:func:`measure_coupling`), by
-double backward: one model evaluation per block and pass, one backward pass per direction
-(``docs/benchmarks.md`` 13m: 1.6-1.9 CPU s on the suite's random-effects model, 60 model
-evaluations and 300 backward passes; 13l's finite differences of ``vmap``-ped gradients took
+double backward: one model evaluation per block, whose graph serves both passes, and one
+backward pass per direction (``docs/benchmarks.md`` 13p: 1.1-1.6 CPU s on the suite's
+random-effects model, 30 model evaluations and about 250 backward passes; 13m's 60 evaluations,
+one per block and pass, took 1.6-2.2 s; 13l's finite differences of ``vmap``-ped gradients took
 about 0.5 s plus, once per process, 0.8-1.2 s for torch's import of its ``vmap`` machinery, and
 needed a model that ``vmap`` can map). The Hessian moves as the hyper-scales and noise scale
 settle; ``T`` does not follow it (any ``T`` keeps the fixed point; a stale one is only a weaker

@@ -209,10 +209,17 @@ class StepSizeUpkeep:
         owned = [(concentrated & (owner == b)).nonzero().reshape(-1) for b in range(len(self.partition))]
         shared = ~state.concentrated & eligible & (state.information_total > 0)
         seed = self._side_seed(-3)
+        # Both passes of the measurement take a block's products at the same point and noise:
+        # each block's graph is built once and kept until the measurement ends (on the suite's
+        # random-effects model half of the measurement's cost was the second pass's model calls).
+        block_products: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
 
         def hessian_products(b: int, directions: torch.Tensor) -> torch.Tensor:
-            products = self._block_hessian_products(b, args, kwargs, seed + b, COUPLING_RELATIVE_STEP)
-            return products(directions)
+            if b not in block_products:
+                block_products[b] = self._block_hessian_products(
+                    b, args, kwargs, seed + b, COUPLING_RELATIVE_STEP
+                )
+            return block_products[b](directions)
 
         sites = torch.empty(state.consensus.numel(), dtype=torch.long, device=state.consensus.device)
         for number, span in enumerate(self.layout.slices.values()):
@@ -230,7 +237,8 @@ class StepSizeUpkeep:
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """``V -> V H_b``, block ``b``'s Hessian in the globals at ``lambda_0`` times each row of
         ``V`` (``(k, P)``), at the noise of ``seed`` and the block's rows: by double backward
-        through one evaluation (each product costs a backward pass, not a model call), or where
+        through one evaluation, made on the first call and kept by the returned function (each
+        product costs a backward pass, not a model call; drop the function to free the graph), or where
         the model's graph has no second derivative by central differences of the gradient, their
         step ``relative_step`` times ``1 + max|lambda_0|`` (default ``sqrt(eps)``)."""
         indices = self.partition.stacked(torch.tensor([b]), self.device)
@@ -244,8 +252,12 @@ class StepSizeUpkeep:
             (gradient,) = torch.autograd.grad(losses(copies, rows).sum(), point, create_graph=create_graph)
             return point, gradient
 
+        graph: list[torch.Tensor] = []  # the point and its gradient, built on the first call
+
         def by_double_backward(directions: torch.Tensor) -> torch.Tensor:
-            point, gradient = gradient_at(consensus, create_graph=True)
+            if not graph:
+                graph.extend(gradient_at(consensus, create_graph=True))
+            point, gradient = graph
             if not gradient.requires_grad:  # linear in the globals
                 return torch.zeros_like(directions)
             products = []

@@ -332,3 +332,27 @@ def test_a_resumed_coupled_run_continues_as_the_uninterrupted_one():
         return _means().clone()
 
     assert torch.equal(run(split=False), run(split=True))
+
+
+def test_the_measurement_evaluates_each_blocks_model_once(monkeypatch):
+    """Both passes of :func:`measure_coupling` take a block's Hessian products at the same point
+    and noise, so each block's graph is built once and serves both (on the suite's random-effects
+    model the second pass's model calls were a third of the first epoch's last step)."""
+    model, blocks, _ = intercepts_and_slopes()
+    calls = {"model": 0, "during": None}
+
+    def counted(idx=None):
+        calls["model"] += 1
+        return model(idx)
+
+    measure = PDVI._couple
+
+    def couple(self, args, kwargs):
+        before = calls["model"]
+        measure(self, args, kwargs)
+        calls["during"] = calls["model"] - before
+
+    monkeypatch.setattr(PDVI, "_couple", couple)
+    pdvi = _fit(counted, blocks, 1, seed=0)
+    assert pdvi.coupled_sites  # both passes ran
+    assert calls["during"] == len(blocks)
