@@ -46,7 +46,7 @@ from .scales import ScaleFixedPoint, find_scale_maps
 from .sites import FoundSites, GlobalLayout, find_sites, missing_subsample_message
 from .solvers import BlockSolver, GenericSolver
 from .stationarity import StationarityTest
-from .step_sizes import AutoStepSize, StepSizes, check_eta, resolve_groups
+from .step_sizes import SHORT_SOLVE_STEPS, AutoStepSize, StepSizes, check_eta, resolve_groups
 from .upkeep import StepSizeUpkeep
 
 #: Values of ``PDVI(scale_update=...)``.
@@ -303,8 +303,6 @@ class PDVI(StepSizeUpkeep):
             self.model, self.guide, self._solve_loss.fn, self.plate, self.layout, self.local_sites
         )
         groups = resolve_groups(self.groups, self.layout.names, self.eta)
-        self.auto_step_size = self.auto_step_size.resolved(isinstance(self.solver, GenericSolver))
-        self._step_sizes = StepSizes(groups, self.layout, self.auto_step_size, len(self.partition))
         consensus = self._params.consensus()
         self.device = consensus.device
         self._state = ConsensusState(consensus, len(self.partition), torch.ones_like(consensus))
@@ -314,6 +312,11 @@ class PDVI(StepSizeUpkeep):
         self._warm_up(args, kwargs)
         self._categorical_rows = ()  # none while the check below builds its problem
         self._categorical_rows = self._find_categorical_rows(found, args, kwargs)
+        generic = isinstance(self.solver, GenericSolver)
+        fits_rows = any(site.name not in self._categorical_rows for site in self.local_sites)
+        short = generic and self.solver.inner_steps <= SHORT_SOLVE_STEPS
+        self.auto_step_size = self.auto_step_size.resolved(generic, short and fits_rows)
+        self._step_sizes = StepSizes(groups, self.layout, self.auto_step_size, len(self.partition))
         self._scales = self._find_scales(first_blocks, args, kwargs)
         self._held = self._held_coordinates()
         if self._pending_state is not None:

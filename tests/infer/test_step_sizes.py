@@ -14,6 +14,8 @@ from pyro_pdvi import PDVI, AutoStepSize, GenericSolver
 from pyro_pdvi.infer.sites import GlobalLayout, GlobalSite
 from pyro_pdvi.infer.step_sizes import (
     FISHER_TOLERANCE,
+    NATURAL_SCALE_WITH_LOCALS,
+    SHORT_SOLVE_STEPS,
     coordinate_groups,
     diagonal_curvature,
     estimate_curvatures,
@@ -21,7 +23,7 @@ from pyro_pdvi.infer.step_sizes import (
 )
 from pyro_pdvi.models.quadratic import Quadratic
 
-from ..toy_models import Hierarchical
+from ..toy_models import Hierarchical, intercepts_and_slopes
 
 NAMES = ["AutoNormal.locs.w", "AutoNormal.scales.w", "bias"]
 
@@ -377,3 +379,65 @@ def test_blocks_are_measured_by_finite_differences_where_the_graph_has_no_second
         assert pdvi.diagnostics["hessian_products"] == expected
     assert information[0].abs().sum() > 0
     assert torch.allclose(information[0], information[1], rtol=1e-6)
+
+
+def test_auto_takes_a_stiffer_natural_constant_where_the_solves_fit_local_rows():
+    assert AutoStepSize().resolved(True, short_solves_fit_locals=True) == AutoStepSize(
+        rule="natural", scale=NATURAL_SCALE_WITH_LOCALS
+    )
+    assert AutoStepSize().resolved(True, short_solves_fit_locals=False) == AutoStepSize(
+        rule="natural", scale=1.0
+    )
+    # A closed-form solver takes the curvature rule, locals or not.
+    assert AutoStepSize().resolved(False, short_solves_fit_locals=True) == AutoStepSize(rule="curvature")
+    # A constant or a rule the user gave is kept.
+    assert AutoStepSize(scale=0.5).resolved(True, short_solves_fit_locals=True).scale == 0.5
+    assert AutoStepSize(rule="natural").resolved(True, short_solves_fit_locals=True).scale == 1.0
+
+
+def test_pdvi_sets_the_natural_constant_by_the_local_rows_its_solves_fit():
+    """A per-datum Gaussian latent (the hierarchical model's theta) makes the constant 1/4: each
+    step size is a quarter of the rule's with 1; global latents only, or discrete rows set by
+    their closed-form update, leave it at 1; the same rows left to the L-BFGS solve count."""
+    from .test_local_cavi import Mixture, make_pdvi
+
+    toy = Hierarchical()
+    etas = {}
+    for eta in ("auto", AutoStepSize(rule="natural")):
+        pyro.clear_param_store()
+        pdvi = PDVI(
+            toy.model,
+            toy.auto_guide(),
+            pyro.optim.Adam({}),
+            TraceMeanField_ELBO(),
+            blocks=toy.blocks,
+            eta=eta,
+        )
+        pdvi._setup((toy.blocks[0],), {})
+        etas[pdvi.auto_step_size.scale] = pdvi.state.step_sizes
+    assert set(etas) == {NATURAL_SCALE_WITH_LOCALS, 1.0}
+    assert torch.allclose(etas[NATURAL_SCALE_WITH_LOCALS], NATURAL_SCALE_WITH_LOCALS * etas[1.0], rtol=1e-6)
+
+    model, blocks, _ = intercepts_and_slopes()
+    pyro.clear_param_store()
+    pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=blocks)
+    pdvi._setup((blocks[0],), {})
+    assert pdvi.auto_step_size == AutoStepSize(rule="natural", scale=1.0)
+
+    for local_cavi, expected in ((True, 1.0), (False, NATURAL_SCALE_WITH_LOCALS)):
+        pdvi = make_pdvi(Mixture(), solver=GenericSolver(local_cavi=local_cavi))
+        pdvi._setup((Mixture().blocks[0],), {})
+        assert pdvi.auto_step_size.scale == expected
+
+    # Long solves keep the constant 1.
+    for inner_steps, expected in (
+        (SHORT_SOLVE_STEPS, NATURAL_SCALE_WITH_LOCALS),
+        (SHORT_SOLVE_STEPS + 1, 1.0),
+    ):
+        pyro.clear_param_store()
+        pdvi = PDVI(
+            toy.model, toy.auto_guide(), pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=toy.blocks,
+            solver=GenericSolver(inner_steps=inner_steps),
+        )  # fmt: skip
+        pdvi._setup((toy.blocks[0],), {})
+        assert pdvi.auto_step_size.scale == expected
