@@ -212,6 +212,8 @@ class StepSizeUpkeep:
         # Both passes of the measurement take a block's products at the same point and noise:
         # each block's graph is built once and kept until the measurement ends (on the suite's
         # random-effects model half of the measurement's cost was the second pass's model calls).
+        # Once per run, then, the graphs of every block (the whole data's, double-backward
+        # buffers included) are held at once, where one block's was before.
         block_products: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
 
         def hessian_products(b: int, directions: torch.Tensor) -> torch.Tensor:
