@@ -266,9 +266,10 @@ DEFAULT_SCALES = {"natural": 1.0, "curvature": 2.0}
 #: :data:`SHORT_SOLVE_STEPS` evaluations, the generic solver's default 3) also fit continuous local
 #: rows (a latent per datum: PPCA's factors, a random effect per datum): a penalty 4x stiffer.
 #: Measured on the issue-13 suite (``docs/benchmarks.md`` 13p, four seeds, mean at 2.5 / 5 / 10 /
-#: 20 CPU s, against the constant 1): the hierarchical model's E[mu] 11x / 38x / 6x / 5x closer,
+#: 20 CPU s, against the constant 1): the hierarchical model's E[mu] 1.6-11x / 1.9-38x / 6x / 5x
+#: closer (three runs of 1/4 at 2.5 and 5 s, where its error falls by orders of magnitude),
 #: PPCA's ELBO gap level / 3.6x / 4.3x closer and then 1.3x further, the overdispersed logistic
-#: regression's means 1.8x / 2.3x / 1.6x closer and level at 20 s. The models with global latents
+#: regression's means 1.8x / 1.5-2.3x / 1.6x closer and level at 20 s. The models with global latents
 #: only want the larger steps (13n, at 5 / 20 s: 0.25 left the scale regression's means 16x / 14x
 #: and the logistic regression's 2.8x / 2x further), and discrete rows set by their closed-form update
 #: (:mod:`~pyro_pdvi.infer.local_cavi`: the GMM) do not count. Long solves keep 1: with 20
