@@ -202,3 +202,28 @@ def test_coupled_random_effects_keep_their_state_on_cuda():
     fitted = torch.cat([pyro.param(f"AutoNormal.locs.{n}").detach().reshape(-1) for n in names])
     assert fitted.device.type == "cuda"
     assert float((fitted.cpu() - mean).pow(2).mean().sqrt()) < 0.3
+
+
+def test_graph_replay_on_cuda_takes_the_steps_through_pyro_takes():
+    """The random-effects model on the GPU, with and without graph replay: the same params."""
+    results = {}
+    for replay in (False, True):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        model, blocks, _ = intercepts_and_slopes(device="cuda")
+        pdvi = PDVI(
+            model,
+            AutoNormal(model),
+            pyro.optim.Adam({"lr": 0.01}),
+            TraceMeanField_ELBO(),
+            blocks=blocks,
+            graph_replay=replay,
+        )
+        for _ in range(3):
+            for block in blocks:
+                pdvi.step(block)
+        results[replay] = {k: v.detach().cpu() for k, v in pyro.get_param_store().items()}
+    stats = pdvi.diagnostics["graph_replay"]
+    assert stats.recorded >= 1 and stats.replayed > 0 and stats.disabled is None, stats
+    for name, value in results[True].items():
+        torch.testing.assert_close(value, results[False][name], rtol=1e-8, atol=1e-8)

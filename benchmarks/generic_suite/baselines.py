@@ -84,6 +84,8 @@ PDVI_CONFIGS: dict[str, dict] = {
     "eta1_inner3_p16": {"eta": 1.0, "solver": GenericSolver(inner_steps=3), PARTICLES: 16},
     # The best hand setting on PPCA (with the user's 8 particles there).
     "eta0.1_inner3": {"eta": 0.1, "solver": GenericSolver(inner_steps=3)},
+    # Every evaluation of a block through Pyro, the default before graph replay (13q).
+    "no_replay": {"graph_replay": False},
     # The fixed-eta grid that eta="auto" is compared with (everything else at its default).
     "eta0.001": {"eta": 0.001},
     "eta0.01": {"eta": 0.01},

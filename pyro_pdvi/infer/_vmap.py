@@ -36,10 +36,17 @@ import torch.distributions.studentT
 from pyro.poutine.runtime import Message
 from torch.overrides import TorchFunctionMode
 
+#: Set while :func:`graph_recording_pyro` records a graph: every tensor is then treated as a
+#: mapped one (no ``.item()``, no NaN hook, no branch on a mask's values).
+_recording = False
+
 
 def _is_vmapped(value: Any) -> bool:
-    """Whether ``value`` is a tensor of a ``torch.func`` transform (batched or grad-tracking)."""
-    return isinstance(value, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(value)
+    """Whether ``value`` is a tensor of a ``torch.func`` transform (batched or grad-tracking), or
+    any tensor while a graph is recorded."""
+    return isinstance(value, torch.Tensor) and (
+        _recording or torch._C._functorch.is_functorch_wrapped_tensor(value)
+    )
 
 
 def _unwrapped(value: torch.Tensor) -> torch.Tensor:
@@ -143,7 +150,9 @@ class _MaskFreeExpectation(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.all and not kwargs and len(args) == 1 and _is_vmapped(args[0]):
-            return _unwrapped(args[0]).all()
+            # While recording, the branch on the mask's values takes its masked side, which the
+            # where() below makes right for any mask.
+            return False if _recording else _unwrapped(args[0]).all()
         if func is torch.Tensor.masked_select and any(_is_vmapped(a) for a in args):
             value, mask = args
             return torch.where(mask, value, value.new_zeros(())).reshape(-1)
@@ -208,3 +217,17 @@ def vmap_compatible_pyro() -> Iterator[None]:
         finally:
             for owner, name, original in originals:
                 setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def graph_recording_pyro() -> Iterator[None]:
+    """:func:`vmap_compatible_pyro` for a recording by ``make_fx``
+    (:mod:`~pyro_pdvi.infer.graphs`), which cannot read a tensor's value: every tensor is
+    treated as a mapped one inside the ``with`` block."""
+    global _recording
+    with vmap_compatible_pyro():
+        _recording = True
+        try:
+            yield
+        finally:
+            _recording = False

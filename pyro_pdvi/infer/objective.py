@@ -30,6 +30,7 @@ from pyro.infer import ELBO
 
 from ..errors import VectorizationError
 from ._vmap import vmap_compatible_pyro
+from .graphs import GraphReplay
 from .handlers import BlockSubsample, FixedNoise, ParamOverride, module_parameters, networks_of
 from .sites import DataPlate, GlobalLayout, LocalSite
 
@@ -76,6 +77,8 @@ class BlockObjective:
     :param randomness: ``randomness=`` of :func:`torch.func.vmap` in the vectorized kernel:
         ``"different"`` (each block its own draw) or ``"same"`` (all blocks share one draw,
         which tests use to hold the two kernels equal).
+    :param graph_replay: evaluate a block by replaying a recorded graph of its torch operations
+        where that is safe (:mod:`~pyro_pdvi.infer.graphs`), not through Pyro every time.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class BlockObjective:
         layout: GlobalLayout,
         local_sites: list[LocalSite],
         randomness: str = "different",
+        graph_replay: bool = False,
     ) -> None:
         if randomness not in RANDOMNESS:
             raise ValueError(f"Invalid randomness: {randomness!r}; use one of {RANDOMNESS}")
@@ -99,6 +103,7 @@ class BlockObjective:
         self.site_constraints.update({s.name: s.constraint for s in local_sites})
         self.row_names = frozenset(s.name for s in local_sites)
         self.networks = networks_of(model, guide)
+        self.graphs = GraphReplay() if graph_replay else None
 
     def bind(self, indices: torch.Tensor, seeds: Sequence[int], args: tuple, kwargs: dict) -> BlockLosses:
         """The objective of the blocks with data ``indices`` (``(m, s)``) at the noise of
@@ -109,8 +114,16 @@ class BlockObjective:
         self, copies: Values, rows: Values, indices: torch.Tensor, args: tuple, kwargs: dict
     ) -> torch.Tensor:
         """``f_b`` of one block: ``copies`` shaped like the global sites, ``rows`` like the
-        block's rows of the local sites, ``indices`` of shape ``(s,)``."""
+        block's rows of the local sites, ``indices`` of shape ``(s,)``; by a replay of its
+        recorded graph where one is trusted (``graph_replay``), else through Pyro."""
+        if self.graphs is not None:
+            return self.graphs.evaluate(self._through_pyro, copies, rows, indices, args, kwargs)
+        return self._through_pyro(copies, rows, indices, args, kwargs)
 
+    def _through_pyro(
+        self, copies: Values, rows: Values, indices: torch.Tensor, args: tuple, kwargs: dict
+    ) -> torch.Tensor:
+        """``f_b`` of one block through the Pyro model, guide and loss (:meth:`one_block`)."""
         values = {**copies, **rows}
 
         def run_blocked(fn: Callable) -> Callable:
@@ -130,7 +143,9 @@ class BlockObjective:
         ``requires_grad``, which ``TraceEnum_ELBO`` checks of its loss; inside
         ``grad_and_value`` it does."""
         mapped = torch.func.vmap(
-            torch.func.grad_and_value(lambda c, r, i: self.one_block(c, r, i, args, kwargs), argnums=(0, 1)),
+            torch.func.grad_and_value(
+                lambda c, r, i: self._through_pyro(c, r, i, args, kwargs), argnums=(0, 1)
+            ),
             randomness=self.randomness,
         )
         try:

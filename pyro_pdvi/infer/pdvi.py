@@ -171,6 +171,13 @@ class PDVI(StepSizeUpkeep):
         the generic suite; each block's share comes from the gradient at its solution, which the
         solver hands on, so it costs no model call: 13j).
         The loss must be a negative ELBO for the fixed point to be the optimum's.
+    :param graph_replay: evaluate the blocks' objective by replaying a recorded graph of its
+        torch operations instead of running the model, guide and ELBO through Pyro each time
+        (:mod:`~pyro_pdvi.infer.graphs`): the same values and gradients, each graph checked
+        against Pyro before it is trusted, for a fraction of the Python (``docs/benchmarks.md``
+        13q). A model whose Python branches on tensor values stays with Pyro; one whose Python
+        decides something a graph cannot follow is caught by the check (a warning, and Pyro
+        from then on). ``False``: never record.
     :param plate_name: name of the data plate, if several plates have size N.
     """
 
@@ -191,6 +198,7 @@ class PDVI(StepSizeUpkeep):
         antithetic: bool | str = "auto",
         step_decay: bool | str = "auto",
         scale_update: str = "auto",
+        graph_replay: bool = True,
         plate_name: str | None = None,
     ) -> None:
         if not isinstance(optim, PyroOptim):
@@ -223,6 +231,9 @@ class PDVI(StepSizeUpkeep):
                 "every global param itself; use scale_update='primal_dual' (or 'auto')"
             )
         self.scale_update = scale_update
+        if not isinstance(graph_replay, bool):
+            raise ValueError(f"Invalid graph_replay: {graph_replay!r}; use True or False")
+        self.graph_replay = graph_replay
 
         self.model = model
         self.guide = guide
@@ -300,7 +311,13 @@ class PDVI(StepSizeUpkeep):
         self.layout = GlobalLayout(global_sites)
         self._params = ParamStoreView(self.layout, self.local_sites)
         self._objective = BlockObjective(
-            self.model, self.guide, self._solve_loss.fn, self.plate, self.layout, self.local_sites
+            self.model,
+            self.guide,
+            self._solve_loss.fn,
+            self.plate,
+            self.layout,
+            self.local_sites,
+            graph_replay=self.graph_replay,
         )
         groups = resolve_groups(self.groups, self.layout.names, self.eta)
         consensus = self._params.consensus()
@@ -712,6 +729,7 @@ class PDVI(StepSizeUpkeep):
             "damping": self._guard.damping,
             "step_decay": self._step_sizes.decay,
             "hessian_products": HESSIAN_PRODUCTS[self._second_order],
+            "graph_replay": None if self._objective.graphs is None else self._objective.graphs.stats,
         }
         return loss * (self.partition.num_data / num_indices)
 

@@ -109,7 +109,8 @@ def main():
         if s == args.die_at:
             os._exit(3)
         if s == args.fail_at:
-            problem.x = problem.x.clone()
+            # In place: a replayed graph (graph_replay) reads the data tensor the model read when
+            # it was recorded, which an attribute replaced by a new tensor is not.
             problem.x[problem.blocks[block][0]] = float("nan")
         loss = pdvi.step(problem.blocks[block])
         store = pyro.get_param_store()

@@ -353,6 +353,17 @@ def test_the_measurement_evaluates_each_blocks_model_once(monkeypatch):
         calls["during"] = calls["model"] - before
 
     monkeypatch.setattr(PDVI, "_couple", couple)
-    pdvi = _fit(counted, blocks, 1, seed=0)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    # Through Pyro every time: a replayed graph (graph_replay) does not call the model.
+    pdvi = PDVI(
+        counted,
+        AutoNormal(counted),
+        pyro.optim.Adam({}),
+        TraceMeanField_ELBO(),
+        blocks=blocks,
+        graph_replay=False,
+    )
+    pdvi = _fit(counted, blocks, 1, seed=0, pdvi=pdvi)
     assert pdvi.coupled_sites  # both passes ran
     assert calls["during"] == len(blocks)

@@ -1,0 +1,398 @@
+"""Graph replay: a block's objective ``f_b`` evaluated by replaying a recorded graph of torch
+operations instead of running the Pyro model, guide and ELBO again.
+
+One evaluation of ``f_b`` through Pyro runs the guide under a trace, the model under a replay
+of it, and the ELBO's bookkeeping, all in Python: on the generic suite's small models that
+Python is most of an evaluation (``docs/benchmarks.md`` 13q). At the fixed Monte Carlo noise
+of a step (:class:`~pyro_pdvi.infer.handlers.FixedNoise`), ``f_b`` is a fixed composition of
+torch operations of the block's copies and rows, its data indices and the step's tensor
+arguments, with the noise drawn from torch's generator. A recording (:class:`_Recorder`, a
+:class:`~torch.utils._python_dispatch.TorchDispatchMode`) runs one evaluation through Pyro and
+notes every torch operation it makes as a node of a :class:`torch.fx.Graph` (with Pyro's
+validation off, whose checks branch on values, and the ELBOs' ``.item()`` calls and NaN hooks
+left out, as under ``vmap``: :func:`~pyro_pdvi.infer._vmap.graph_recording_pyro`); later
+evaluations replay the recorded operations, which draw the same noise from the same generator
+state and are differentiated by autograd as the model's own operations are (first and second
+order). The operations are recorded below autograd, as they run on real tensors, so the
+recording is an evaluation itself: on the suite it cost about 10 evaluations through Pyro.
+
+A graph serves one signature: the block size, the shapes and dtypes of the copies, rows and
+tensor arguments, and the values of the other arguments. A signature is recorded once it has
+been evaluated through Pyro as many times as a recording is expected to cost (the ski-rental
+rule: at most about twice the cost of the better choice in hindsight; the expectation starts at
+:data:`RECORD_AFTER` and follows the recordings measured).
+
+A replay is trusted only once checked. The first :data:`CHECKED_REPLAYS` replays of each graph,
+and further ones until one at other data indices than the recording's, are compared with an
+evaluation through Pyro at the same noise, in value and (where the inputs require it) gradient;
+after that one replay in :data:`CHECK_EVERY`. What can make them differ: Python control flow or
+state that the recording fixed (a counter in the model, an attribute or global that the model
+reads and the user replaces between steps: the graph holds the tensor it read then, while data
+changed in place, the step's tensor arguments and the other arguments' values are followed), a
+custom ``autograd.Function`` (the recording keeps its forward operations, autograd
+differentiates those). On a mismatch, replay is switched off for the run with a warning, and the
+evaluation returns Pyro's value. A model whose Python branches on tensor values cannot be
+recorded at all (the recording refuses an operation that returns a Python value); its signature
+stays with Pyro. On the CPU a replay whose value is not finite is evaluated again through Pyro,
+whose argument validation (off in a replay) then names what is wrong, as without replay (NaN in
+the data, a value outside a distribution's support). ``PDVI(graph_replay=False)`` never records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import warn_user
+from ._vmap import graph_recording_pyro
+
+Values = dict[str, torch.Tensor]
+EagerBlock = Callable[[Values, Values, torch.Tensor, tuple, dict], torch.Tensor]
+
+#: Evaluations through Pyro of a signature before its first recording: a recording is expected
+#: to cost this many evaluations until one has been measured (the suite's: about 10, 13q).
+RECORD_AFTER = 10
+
+#: Replays of each graph compared with an evaluation through Pyro before it is trusted (and
+#: further ones until one at data indices other than the recording's).
+CHECKED_REPLAYS = 2
+
+#: Once a graph is trusted, one replay in this many (over all graphs) is still compared with
+#: Pyro's evaluation, which bounds how long Python state replaced between steps goes unseen (at
+#: about 1/64 of the evaluations' cost).
+CHECK_EVERY = 64
+
+#: Signatures followed at most: beyond them (a Python number among the step's arguments that
+#: changes every step, such as an annealing weight) the evaluations stay with Pyro.
+MAX_SIGNATURES = 256
+
+#: Relative tolerance of that comparison: the replay runs the model's own operations in the
+#: same order, so agreement is to rounding; a graph that fixed the wrong branch is far off.
+REPLAY_RTOL = 1e-5
+
+
+@dataclass
+class _Signature:
+    """What one signature's evaluations have cost and what its graph is."""
+
+    evaluations: int = 0
+    seconds: float = 0.0
+    graph: torch.fx.GraphModule | None = None
+    recorded_indices: torch.Tensor | None = None
+    checked: int = 0
+    checked_other_indices: bool = False
+    failure: str | None = None
+
+
+@dataclass
+class GraphReplayStats:
+    """What the replay did so far (``PDVI.diagnostics["graph_replay"]``).
+
+    :param recorded: graphs recorded.
+    :param replayed: evaluations by replay.
+    :param through_pyro: evaluations through Pyro (before recording, unrecordable signatures,
+        checks and evaluations inside ``torch.func`` transforms).
+    :param failures: why a signature could not be recorded, one line each.
+    :param disabled: why replay was switched off, or ``None``.
+    """
+
+    recorded: int = 0
+    replayed: int = 0
+    through_pyro: int = 0
+    failures: list[str] = field(default_factory=list)
+    disabled: str | None = None
+
+
+class GraphReplay:
+    """Evaluate ``f_b`` by replaying recorded graphs where that is safe (module docstring).
+
+    :param record_after: evaluations through Pyro of a signature before its first recording
+        (later ones follow the measured cost of the recordings).
+    """
+
+    def __init__(self, record_after: int = RECORD_AFTER) -> None:
+        self.record_after = record_after
+        self.stats = GraphReplayStats()
+        self._signatures: dict[tuple, _Signature] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.stats.disabled is None
+
+    def evaluate(
+        self,
+        eager: EagerBlock,
+        copies: Values,
+        rows: Values,
+        indices: torch.Tensor,
+        args: tuple,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        """``eager(copies, rows, indices, args, kwargs)``, by a replay of its graph where one is
+        recorded and trusted, else through Pyro (recording the graph when its turn comes).
+
+        :param eager: ``f_b`` through Pyro.
+        :param copies: the block's copies of the global params.
+        :param rows: the block's rows of the local params.
+        :param indices: the block's data indices, shape ``(s,)``.
+        :param args: the step's positional arguments.
+        :param kwargs: the step's keyword arguments.
+        """
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        key = self._key(copies, rows, indices, leaves, spec)
+        if (
+            not self.enabled
+            or key is None
+            or _in_transform(indices, *copies.values(), *rows.values(), *tensors)
+        ):
+            return self._through_pyro(eager, copies, rows, indices, args, kwargs)
+        signature = self._signatures.get(key)
+        if signature is None:
+            if len(self._signatures) >= MAX_SIGNATURES:  # an argument that changes every step
+                return self._through_pyro(eager, copies, rows, indices, args, kwargs)
+            signature = self._signatures[key] = _Signature()
+        if signature.graph is None:
+            if signature.failure is not None or signature.evaluations < self.record_after:
+                return self._timed(signature, eager, copies, rows, indices, args, kwargs)
+            return self._record(signature, eager, copies, rows, indices, args, kwargs)
+        if signature.checked < CHECKED_REPLAYS or not signature.checked_other_indices:
+            other_indices = not torch.equal(indices, signature.recorded_indices)
+            if signature.checked < CHECKED_REPLAYS or other_indices:
+                return self._checked(signature, other_indices, eager, copies, rows, indices, args, kwargs)
+        if (self.stats.replayed + 1) % CHECK_EVERY == 0:
+            return self._checked(signature, False, eager, copies, rows, indices, args, kwargs)
+        on_cpu = indices.device.type == "cpu"
+        generator = torch.get_rng_state() if on_cpu else None
+        value = signature.graph(*copies.values(), *rows.values(), indices, *tensors)
+        if on_cpu and not bool(torch.isfinite(value).all()):
+            # Again through Pyro, whose validation (off in a replay) names what is wrong, as without
+            # replay. On a GPU that would read a value on the host at every evaluation: not there.
+            torch.set_rng_state(generator)
+            return self._through_pyro(eager, copies, rows, indices, args, kwargs)
+        self.stats.replayed += 1
+        return value
+
+    # ----------------------------------------------------------------- internals
+
+    @staticmethod
+    def _key(
+        copies: Values, rows: Values, indices: torch.Tensor, leaves: list, spec: pytree.TreeSpec
+    ) -> tuple | None:
+        """The signature of an evaluation; ``None`` if an argument cannot be told apart by value
+        (an unhashable non-tensor), which is then never replayed."""
+
+        def tensor_key(t: torch.Tensor) -> tuple:
+            return (tuple(t.shape), t.dtype, t.device)
+
+        try:
+            others = tuple(
+                tensor_key(leaf) if isinstance(leaf, torch.Tensor) else (type(leaf), leaf) for leaf in leaves
+            )
+            hash(others)
+        except TypeError:
+            return None
+        return (
+            tensor_key(indices),
+            tuple((k, tensor_key(v)) for k, v in copies.items()),
+            tuple((k, tensor_key(v)) for k, v in rows.items()),
+            str(spec),
+            others,
+        )
+
+    def _through_pyro(self, eager: EagerBlock, *inputs: Any) -> torch.Tensor:
+        self.stats.through_pyro += 1
+        return eager(*inputs)
+
+    def _timed(self, signature: _Signature, eager: EagerBlock, *inputs: Any) -> torch.Tensor:
+        """An evaluation through Pyro, counted and timed towards the signature's recording."""
+        start = time.perf_counter()
+        value = self._through_pyro(eager, *inputs)
+        signature.seconds += time.perf_counter() - start
+        signature.evaluations += 1
+        return value
+
+    def _record(
+        self,
+        signature: _Signature,
+        eager: EagerBlock,
+        copies: Values,
+        rows: Values,
+        indices: torch.Tensor,
+        args: tuple,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        """Evaluate through Pyro while recording the signature's graph; a failure is kept as the
+        signature's for good (the generator's state is put back, and Pyro evaluates again)."""
+        tensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        inputs = [*copies.values(), *rows.values(), indices, *tensors]
+        start = time.perf_counter()
+        try:
+            with _generator_kept(indices.device), graph_recording_pyro():
+                recorder = _Recorder(inputs)
+                with recorder:
+                    value = eager(copies, rows, indices, args, kwargs)
+                graph = recorder.graph_of(value)
+        except Exception as error:  # whatever the model does that a recording cannot follow
+            signature.failure = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            self.stats.failures.append(
+                f"blocks of {indices.shape[-1]} data: not recorded ({signature.failure})"
+            )
+            return self._through_pyro(eager, copies, rows, indices, args, kwargs)
+        seconds = time.perf_counter() - start
+        signature.graph = graph
+        signature.recorded_indices = indices.detach().clone()
+        self.stats.recorded += 1
+        if signature.evaluations and signature.seconds > 0:
+            cost = seconds / (signature.seconds / signature.evaluations)
+            self.record_after = max(1, round(cost))
+        # The recording was an evaluation at this noise; its replay is the one returned.
+        return self._checked(signature, False, eager, copies, rows, indices, args, kwargs)
+
+    def _checked(
+        self,
+        signature: _Signature,
+        other_indices: bool,
+        eager: EagerBlock,
+        copies: Values,
+        rows: Values,
+        indices: torch.Tensor,
+        args: tuple,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        """A replay compared with an evaluation through Pyro at the same noise; Pyro's value,
+        and replay off for good, if they differ."""
+        tensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        with _generator_kept(indices.device):
+            replayed = signature.graph(*copies.values(), *rows.values(), indices, *tensors)
+        value = self._through_pyro(eager, copies, rows, indices, args, kwargs)
+        mismatch = _mismatch(replayed, value, [*copies.values(), *rows.values()])
+        if mismatch is not None:
+            self.stats.disabled = (
+                f"the replay of blocks of {indices.shape[-1]} data differed from the model in its {mismatch}"
+            )
+            warn_user(
+                f"PDVI: {self.stats.disabled}; the model's Python decides something that a recorded "
+                "graph of its torch operations cannot follow (a branch, a Python number, a custom "
+                "autograd.Function). Every evaluation now goes through Pyro (slower, same results); "
+                "PDVI(graph_replay=False) skips the recording."
+            )
+            return value
+        signature.checked += 1
+        signature.checked_other_indices |= other_indices
+        self.stats.replayed += 1
+        return replayed
+
+
+def _mismatch(replayed: torch.Tensor, value: torch.Tensor, inputs: list[torch.Tensor]) -> str | None:
+    """``"value"`` or ``"gradient"`` where the replay and Pyro's evaluation differ, else ``None``."""
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        scale = b.detach().abs().max() if b.numel() else b.new_zeros(())
+        atol = REPLAY_RTOL * float(scale)
+        return bool(torch.allclose(a.detach(), b.detach(), rtol=REPLAY_RTOL, atol=atol, equal_nan=True))
+
+    if not close(replayed, value):
+        return "value"
+    wrt = [t for t in inputs if t.requires_grad]
+    if not wrt or not (replayed.requires_grad and value.requires_grad):
+        return None
+    replayed_grads = torch.autograd.grad(replayed, wrt, retain_graph=True, allow_unused=True)
+    grads = torch.autograd.grad(value, wrt, retain_graph=True, allow_unused=True)
+    for a, b in zip(replayed_grads, grads):
+        a = torch.zeros_like(b) if a is None and b is not None else a
+        b = torch.zeros_like(a) if b is None and a is not None else b
+        if a is not None and not close(a, b):
+            return "gradient"
+    return None
+
+
+def _in_transform(*tensors: torch.Tensor) -> bool:
+    """Whether any tensor belongs to a ``torch.func`` transform (``vmap``, ``grad``): there the
+    evaluation stays with Pyro."""
+    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
+def _generator_kept(device: torch.device) -> contextlib.AbstractContextManager:
+    """Run a ``with`` block from the generators' current state and put it back afterwards."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+class DataDependentError(RuntimeError):
+    """The model read a tensor's value in Python (``.item()``, ``bool``), which a graph of torch
+    operations cannot replay."""
+
+
+class _Recorder(TorchDispatchMode):
+    """Record the torch operations run inside its ``with`` block as a :class:`torch.fx.Graph`
+    over ``inputs``: each operation on real tensors runs as usual and is appended as a node;
+    a tensor that is neither an input nor made inside (the data, a constant of the model) is
+    kept as a constant of the graph. Below autograd, so the operations recorded are the forward
+    ones, which autograd differentiates again at replay.
+
+    :param inputs: the tensors that become the graph's placeholders, in order.
+    """
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.graph = torch.fx.Graph()
+        self.root = torch.nn.Module()
+        self._nodes: dict[int, torch.fx.Node] = {}
+        # Every tensor seen stays alive until the recording ends, so that no id is reused.
+        self._seen: list[torch.Tensor] = []
+        for i, tensor in enumerate(inputs):
+            self._bind(tensor, self.graph.placeholder(f"input_{i}"))
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ to keep torch.compile out of it, which imports
+        # torch._dynamo at the first operation (1.3-2 CPU s here); nothing here is compiled.
+        return False
+
+    def _bind(self, tensor: torch.Tensor, node: torch.fx.Node) -> None:
+        self._nodes[id(tensor)] = node
+        self._seen.append(tensor)
+
+    def _node(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        node = self._nodes.get(id(value))
+        if node is None:
+            name = f"constant_{len(self._seen)}"
+            self.root.register_buffer(name, value, persistent=False)
+            node = self.graph.get_attr(name)
+            self._bind(value, node)
+        return node
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        if not all(o is None or isinstance(o, torch.Tensor) for o in outputs):
+            raise DataDependentError(f"{func} returned a Python value (the model read a tensor's value)")
+        node = self.graph.call_function(
+            func, pytree.tree_map(self._node, args), pytree.tree_map(self._node, kwargs)
+        )
+        if isinstance(out, torch.Tensor):
+            self._bind(out, node)
+        else:
+            for i, o in enumerate(outputs):
+                if o is not None:
+                    self._bind(o, self.graph.call_function(operator.getitem, (node, i)))
+        return out
+
+    def graph_of(self, value: torch.Tensor) -> torch.fx.GraphModule:
+        """The recorded graph, returning ``value`` (a tensor made inside the recording)."""
+        self.graph.output(self._node(value))
+        module = torch.fx.GraphModule(self.root, self.graph)
+        self._seen.clear()
+        self._nodes.clear()
+        return module

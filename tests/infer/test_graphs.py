@@ -1,0 +1,316 @@
+"""Graph replay (:mod:`pyro_pdvi.infer.graphs`): a replayed ``f_b`` equals the one through Pyro
+in value, gradient and Hessian products, at the fixed noise of each seed; a model the recording
+cannot follow stays with Pyro, and one whose Python state the graph fixed is caught."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_pdvi import PDVI
+from pyro_pdvi.infer import graphs
+from pyro_pdvi.infer.graphs import CHECK_EVERY, CHECKED_REPLAYS, GraphReplay
+from pyro_pdvi.models.gmm import GMMModel, make_biased_gmm
+
+from ..toy_models import Hierarchical, LinearGaussian
+from .test_objective import build_objective, random_point
+
+
+def replaying(objective):
+    """The same objective with a graph replay that records at the first evaluation."""
+    objective.graphs = GraphReplay(record_after=0)
+    return objective
+
+
+def build_objectives(model, guide, loss_fn, idx):
+    """The objective through Pyro and one that replays, after one evaluation (an ELBO's first
+    call guesses max_plate_nesting by tracing, which draws: it must not shift a fixed noise)."""
+    through_pyro, unconstrained, layout, local_sites = build_objective(model, guide, loss_fn, idx)
+    indices = idx[None]
+    copies, rows = random_point(unconstrained, layout, local_sites, indices)
+    # TraceEnum_ELBO refuses a loss that nothing requires the gradient of.
+    through_pyro.bind(indices, [0], (idx,), {})({k: v.requires_grad_() for k, v in copies.items()}, rows)
+    replayed = replaying(build_objective(model, guide, loss_fn, idx)[0])
+    return through_pyro, replayed, unconstrained, layout, local_sites
+
+
+def value_and_gradients(objective, indices, copies, rows, idx, seed):
+    """The loop kernel's ``f_b`` of every block and their gradients in copies and rows."""
+    leaves = {k: v.clone().requires_grad_() for k, v in {**copies, **rows}.items()}
+    losses = objective.bind(indices, [seed] * len(indices), (idx,), {})
+    values = losses({k: leaves[k] for k in copies}, {k: leaves[k] for k in rows})
+    grads = torch.autograd.grad(values.sum(), list(leaves.values()))
+    return values.detach(), dict(zip(leaves, grads))
+
+
+def linear_gaussian_autonormal():
+    problem = LinearGaussian()
+    guide = AutoNormal(problem.model, create_plates=problem.create_plates)
+    elbo = TraceMeanField_ELBO(num_particles=4, vectorize_particles=True)
+    return problem.model, guide, elbo.differentiable_loss, problem.N, problem.blocks, 0.3
+
+
+def gmm_enumerated():
+    data = make_biased_gmm(60, 3, 2, 15, 0.9, seed=3, separation=3.0)
+    gmm = GMMModel(data.data, data.prior)
+    elbo = TraceEnum_ELBO(max_plate_nesting=1, num_particles=4, vectorize_particles=True)
+    return gmm.model, gmm.guide, elbo.differentiable_loss, 60, data.blocks, 0.2
+
+
+@pytest.mark.parametrize(
+    "make", [linear_gaussian_autonormal, gmm_enumerated], ids=["autonormal", "traceenum"]
+)
+def test_replay_equals_pyro_in_values_and_gradients(make):
+    """At several points, seeds and blocks, including the GMM's saturated probabilities (Pyro's
+    Dice takes its masked branch there, which the recording always takes)."""
+    model, guide, loss_fn, num_data, blocks, spread = make()
+    idx = torch.arange(num_data)
+    through_pyro, replayed, unconstrained, layout, local_sites = build_objectives(model, guide, loss_fn, idx)
+    for trial, seed in enumerate([3, 4, 5, 6]):
+        indices = torch.stack(blocks[trial % 2 : trial % 2 + 2])
+        copies, rows = random_point(unconstrained, layout, local_sites, indices, spread)
+        if "alpha" in rows and trial == 3:
+            rows["alpha"][:, :5, 1:] = -800.0  # exp(-800) underflows: these probabilities are 0
+        expected, expected_grads = value_and_gradients(through_pyro, indices, copies, rows, idx, seed)
+        values, grads = value_and_gradients(replayed, indices, copies, rows, idx, seed)
+        torch.testing.assert_close(values, expected, rtol=1e-12, atol=1e-10)
+        for name in grads:
+            torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-10, atol=1e-10)
+    stats = replayed.graphs.stats
+    assert stats.recorded == 1 and stats.failures == [] and stats.disabled is None
+    assert stats.replayed == 8  # 4 trials of 2 blocks: the recording's own evaluation is a replay
+    assert stats.through_pyro == CHECKED_REPLAYS  # the checks, once the indices changed
+
+
+def test_replay_draws_each_seeds_noise():
+    """The same block at two seeds: different values, each equal to Pyro's at that seed."""
+    model, guide, loss_fn, num_data, blocks, spread = linear_gaussian_autonormal()
+    idx = torch.arange(num_data)
+    through_pyro, replayed, unconstrained, layout, local_sites = build_objectives(model, guide, loss_fn, idx)
+    indices = blocks[0][None]
+    copies, rows = random_point(unconstrained, layout, local_sites, indices, spread)
+    values = {}
+    for seed in [1, 2, 1, 2, 1]:
+        value, _ = value_and_gradients(replayed, indices, copies, rows, idx, seed)
+        expected, _ = value_and_gradients(through_pyro, indices, copies, rows, idx, seed)
+        torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-10)
+        values.setdefault(seed, value)
+        torch.testing.assert_close(value, values[seed], rtol=0, atol=0)
+    assert not torch.equal(values[1], values[2])
+
+
+def test_hessian_products_through_the_replay_equal_pyros():
+    """Double backward (the coupling's and curvature rule's Hessian products) through a replay."""
+    model, guide, loss_fn, num_data, blocks, spread = linear_gaussian_autonormal()
+    idx = torch.arange(num_data)
+    through_pyro, replayed, unconstrained, layout, local_sites = build_objectives(model, guide, loss_fn, idx)
+    indices = blocks[1][None]
+    copies, rows = random_point(unconstrained, layout, local_sites, indices, spread)
+    direction = {k: torch.randn_like(v) for k, v in copies.items()}
+
+    def hessian_product(objective):
+        leaves = {k: v.clone().requires_grad_() for k, v in copies.items()}
+        f = objective.bind(indices, [7], (idx,), {})(leaves, rows).sum()
+        grads = torch.autograd.grad(f, list(leaves.values()), create_graph=True)
+        inner = sum((g * direction[k]).sum() for g, k in zip(grads, leaves))
+        return torch.autograd.grad(inner, list(leaves.values()))
+
+    hessian_product(replayed)  # records
+    for got, expected in zip(hessian_product(replayed), hessian_product(through_pyro)):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    assert replayed.graphs.stats.replayed == 2
+
+
+class Branching:
+    """A model whose Python reads a tensor's value: no graph can replay it."""
+
+    def __init__(self):
+        self.x = torch.linspace(-1.0, 2.0, 12)
+
+    def model(self, idx):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        noise = 0.5 if float(mu.detach()) > 0 else 1.0
+        with pyro.plate("data", 12, subsample=idx) as ind:
+            pyro.sample("x", dist.Normal(mu, noise), obs=self.x[ind])
+
+    def guide(self, idx):
+        loc = pyro.param("mu_loc", torch.tensor(0.3))
+        pyro.sample("mu", dist.Normal(loc, 0.1))
+
+
+def test_a_model_that_reads_a_value_stays_with_pyro():
+    toy = Branching()
+    idx = torch.arange(12)
+    through_pyro, replayed, unconstrained, layout, local_sites = build_objectives(
+        toy.model, toy.guide, Trace_ELBO().differentiable_loss, idx
+    )
+    indices = torch.arange(12).reshape(2, 6)
+    for seed in [1, 2, 3]:
+        copies, rows = random_point(unconstrained, layout, local_sites, indices, 1.0)
+        expected, _ = value_and_gradients(through_pyro, indices, copies, rows, idx, seed)
+        values, _ = value_and_gradients(replayed, indices, copies, rows, idx, seed)
+        torch.testing.assert_close(values, expected, rtol=1e-12, atol=1e-12)
+    stats = replayed.graphs.stats
+    assert stats.recorded == 0 and stats.replayed == 0 and stats.disabled is None
+    assert len(stats.failures) == 1 and "not recorded (DataDependentError" in stats.failures[0]
+
+
+class Counting:
+    """A model whose likelihood depends on a Python counter: a graph fixes its value."""
+
+    def __init__(self):
+        self.x = torch.linspace(-1.0, 2.0, 12)
+        self.calls = 0
+
+    def model(self, idx):
+        self.calls += 1
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", 12, subsample=idx) as ind:
+            pyro.sample("x", dist.Normal(mu, 1.0 + 0.1 * self.calls), obs=self.x[ind])
+
+    def guide(self, idx):
+        loc = pyro.param("mu_loc", torch.tensor(0.3))
+        pyro.sample("mu", dist.Normal(loc, 0.1))
+
+
+def test_a_graph_that_fixed_python_state_is_caught_and_pyros_value_returned():
+    toy, reference = Counting(), Counting()
+    idx = torch.arange(12)
+    loss_fn = Trace_ELBO().differentiable_loss
+    objective, unconstrained, layout, local_sites = build_objective(toy.model, toy.guide, loss_fn, idx)
+    through_pyro = build_objective(reference.model, reference.guide, loss_fn, idx)[0]
+    replaying(objective)
+    indices = torch.arange(12).reshape(1, 12)
+    copies, rows = random_point(unconstrained, layout, local_sites, indices, 0.0)
+    losses = objective.bind(indices, [1], (idx,), {})
+    # Recorded, then checked against Pyro's evaluation, for which the counter moved by one.
+    with pytest.warns(UserWarning, match="differed from the model in its value.*graph_replay=False"):
+        value = losses(copies, rows)
+    assert objective.graphs.stats.disabled.startswith("the replay of blocks of 12 data differed")
+    reference.calls = toy.calls - 1  # Pyro's evaluation in the check was the model's last call
+    expected = through_pyro.bind(indices, [1], (idx,), {})(copies, rows)
+    torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
+    calls = toy.calls
+    losses(copies, rows)
+    assert toy.calls == calls + 1  # through Pyro from now on
+    assert objective.graphs.stats.replayed == 0
+
+
+def test_pdvi_with_and_without_replay_take_the_same_steps():
+    """Float64: the same params after two epochs on the hierarchical model, the replay used."""
+    results = {}
+    for replay in (False, True):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        toy = Hierarchical(num_data=40, num_blocks=4)
+        pdvi = PDVI(
+            toy.model,
+            toy.auto_guide(),
+            pyro.optim.Adam({"lr": 0.01}),
+            TraceMeanField_ELBO(),
+            blocks=toy.blocks,
+            graph_replay=replay,
+        )
+        for _ in range(2):
+            for block in toy.blocks:
+                pdvi.step(block)
+        results[replay] = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+        stats = pdvi.diagnostics["graph_replay"]
+        assert (stats is None) == (not replay)
+    assert stats.recorded == 1 and stats.replayed > 2 * stats.through_pyro
+    for name, value in results[True].items():
+        torch.testing.assert_close(value, results[False][name], rtol=1e-9, atol=1e-9)
+
+
+def test_graph_replay_must_be_a_bool():
+    toy = Hierarchical()
+    with pytest.raises(ValueError, match="Invalid graph_replay: 'yes'; use True or False"):
+        PDVI(
+            toy.model,
+            toy.guide,
+            pyro.optim.Adam({"lr": 0.01}),
+            Trace_ELBO(),
+            blocks=toy.blocks,
+            graph_replay="yes",
+        )
+
+
+def _hierarchical_pdvi(toy, replay=True):
+    return PDVI(
+        toy.model,
+        toy.auto_guide(),
+        pyro.optim.Adam({"lr": 0.01}),
+        TraceMeanField_ELBO(),
+        blocks=toy.blocks,
+        graph_replay=replay,
+    )
+
+
+def test_data_replaced_between_steps_is_caught_by_a_later_check():
+    """The model reads ``self.x``; a new tensor there is not what the graph holds. One replay in
+    CHECK_EVERY is still compared with Pyro, which finds it, warns and turns replay off."""
+    toy = Hierarchical(num_data=40, num_blocks=4)
+    pdvi = _hierarchical_pdvi(toy)
+    for _ in range(3):
+        for block in toy.blocks:
+            pdvi.step(block)
+    stats = pdvi.diagnostics["graph_replay"]
+    assert stats.disabled is None and stats.replayed > 0
+    toy.x = toy.x + 3.0
+    with pytest.warns(UserWarning, match="differed from the model in its value"):
+        for step in range(CHECK_EVERY):  # at least 4 evaluations a step
+            pdvi.step(toy.blocks[step % 4])
+            if stats.disabled is not None:
+                break
+    assert stats.disabled is not None
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["through_pyro", "replayed"])
+def test_nan_in_the_data_raises_pyros_validation_error_with_or_without_replay(replay):
+    toy = Hierarchical(num_data=40, num_blocks=4)
+    pdvi = _hierarchical_pdvi(toy, replay)
+    for _ in range(3):
+        for block in toy.blocks:
+            pdvi.step(block)
+    toy.x[toy.blocks[2][0]] = float("nan")  # in place: the graph reads it too
+    with pytest.raises(ValueError, match="support"):
+        pdvi.step(toy.blocks[2])
+
+
+def test_a_python_number_among_the_arguments_is_part_of_the_signature(monkeypatch):
+    """A keyword ``weight`` that the model reads as a Python float: each value its own graph (a
+    replay at another value would be wrong), and past MAX_SIGNATURES values, Pyro only."""
+
+    def model(idx, weight=1.0):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", 12, subsample=idx) as ind, pyro.poutine.scale(scale=weight):
+            pyro.sample("x", dist.Normal(mu, 1.0), obs=torch.linspace(-1.0, 2.0, 12)[ind])
+
+    def guide(idx, weight=1.0):
+        pyro.sample("mu", dist.Normal(pyro.param("mu_loc", torch.tensor(0.3)), 0.1))
+
+    idx = torch.arange(12)
+    objective, unconstrained, layout, local_sites = build_objective(
+        model, guide, Trace_ELBO().differentiable_loss, idx
+    )
+    replaying(objective)
+    indices = idx.reshape(2, 6)
+    copies, rows = random_point(unconstrained, layout, local_sites, indices, 0.0)
+    values = {}
+    for weight in [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]:
+        values.setdefault(weight, []).append(
+            objective.bind(indices, [1, 2], (idx,), {"weight": weight})(copies, rows)
+        )
+    for seen in values.values():
+        for value in seen[1:]:
+            torch.testing.assert_close(value, seen[0], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(values[1.0][0], values[2.0][0])
+    stats = objective.graphs.stats
+    assert stats.recorded == 2 and stats.disabled is None
+    monkeypatch.setattr(graphs, "MAX_SIGNATURES", 2)
+    through_pyro = stats.through_pyro
+    for _ in range(3):
+        objective.bind(indices, [1, 2], (idx,), {"weight": 3.0})(copies, rows)
+    assert stats.through_pyro == through_pyro + 6 and stats.recorded == 2
