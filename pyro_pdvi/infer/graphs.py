@@ -281,9 +281,11 @@ class GraphReplay:
             )
             warn_user(
                 f"PDVI: {self.stats.disabled}; the model's Python decides something that a recorded "
-                "graph of its torch operations cannot follow (a branch, a Python number, a custom "
-                "autograd.Function). Every evaluation now goes through Pyro (slower, same results); "
-                "PDVI(graph_replay=False) skips the recording."
+                "graph of its torch operations cannot follow (a branch, a counter, a data tensor "
+                "that an attribute or global now holds instead of the one recorded, a custom "
+                "autograd.Function). Every evaluation now goes through Pyro (slower, same results). "
+                "Change data in place or pass it as an argument of step(); PDVI(graph_replay=False) "
+                "skips the recording."
             )
             return value
         signature.checked += 1
