@@ -24,8 +24,9 @@ rule: at most about twice the cost of the better choice in hindsight; the expect
 
 A replay is trusted only once checked. The first :data:`CHECKED_REPLAYS` replays of each graph,
 and further ones until one at other data indices than the recording's, are compared with an
-evaluation through Pyro at the same noise, in value and (where the inputs require it) gradient;
-after that one replay in :data:`CHECK_EVERY`. What can make them differ: Python control flow or
+evaluation through Pyro at the same noise: the first with the recording itself, in value and
+(where the inputs require it) gradient, the others in value; after that one replay in
+:data:`CHECK_EVERY` is compared too. What can make them differ: Python control flow or
 state that the recording fixed (a counter in the model, an attribute or global that the model
 reads and the user replaces between steps: the graph holds the tensor it read then, while data
 changed in place, the step's tensor arguments and the other arguments' values are followed), a
@@ -254,8 +255,18 @@ class GraphReplay:
         if signature.evaluations and signature.seconds > 0:
             cost = seconds / (signature.seconds / signature.evaluations)
             self.record_after = max(1, round(cost))
-        # The recording was an evaluation at this noise; its replay is the one returned.
-        return self._checked(signature, False, eager, copies, rows, indices, args, kwargs)
+        # The recording was an evaluation through Pyro at this noise (the generator was put back):
+        # its replay draws the same and must give the same value and gradient.
+        replayed = graph(*inputs)
+        mismatch = _mismatch(replayed, value, [*copies.values(), *rows.values()], gradients=True)
+        if mismatch is not None:
+            self._disable(
+                f"the replay of blocks of {indices.shape[-1]} data differed from the model in its {mismatch}"
+            )
+            return value
+        signature.checked += 1
+        self.stats.replayed += 1
+        return replayed
 
     def _checked(
         self,
@@ -268,24 +279,17 @@ class GraphReplay:
         args: tuple,
         kwargs: dict,
     ) -> torch.Tensor:
-        """A replay compared with an evaluation through Pyro at the same noise; Pyro's value,
-        and replay off for good, if they differ."""
+        """A replay compared with an evaluation through Pyro at the same noise, in value (the
+        recording's check compared gradients too); Pyro's value, and replay off for good, if
+        they differ."""
         tensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         with _generator_kept(indices.device):
             replayed = signature.graph(*copies.values(), *rows.values(), indices, *tensors)
         value = self._through_pyro(eager, copies, rows, indices, args, kwargs)
-        mismatch = _mismatch(replayed, value, [*copies.values(), *rows.values()])
+        mismatch = _mismatch(replayed, value, [*copies.values(), *rows.values()], gradients=False)
         if mismatch is not None:
-            self.stats.disabled = (
+            self._disable(
                 f"the replay of blocks of {indices.shape[-1]} data differed from the model in its {mismatch}"
-            )
-            warn_user(
-                f"PDVI: {self.stats.disabled}; the model's Python decides something that a recorded "
-                "graph of its torch operations cannot follow (a branch, a counter, a data tensor "
-                "that an attribute or global now holds instead of the one recorded, a custom "
-                "autograd.Function). Every evaluation now goes through Pyro (slower, same results). "
-                "Change data in place or pass it as an argument of step(); PDVI(graph_replay=False) "
-                "skips the recording."
             )
             return value
         signature.checked += 1
@@ -293,9 +297,24 @@ class GraphReplay:
         self.stats.replayed += 1
         return replayed
 
+    def _disable(self, reason: str) -> None:
+        """Replay off for the rest of the run, with a warning that says why."""
+        self.stats.disabled = reason
+        warn_user(
+            f"PDVI: {self.stats.disabled}; the model's Python decides something that a recorded "
+            "graph of its torch operations cannot follow (a branch, a counter, a data tensor "
+            "that an attribute or global now holds instead of the one recorded, a custom "
+            "autograd.Function). Every evaluation now goes through Pyro (slower, same results). "
+            "Change data in place or pass it as an argument of step(); PDVI(graph_replay=False) "
+            "skips the recording."
+        )
 
-def _mismatch(replayed: torch.Tensor, value: torch.Tensor, inputs: list[torch.Tensor]) -> str | None:
-    """``"value"`` or ``"gradient"`` where the replay and Pyro's evaluation differ, else ``None``."""
+
+def _mismatch(
+    replayed: torch.Tensor, value: torch.Tensor, inputs: list[torch.Tensor], gradients: bool
+) -> str | None:
+    """``"value"`` or ``"gradient"`` where the replay and Pyro's evaluation differ, else ``None``
+    (the gradients in ``inputs`` compared only with ``gradients``)."""
 
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
         scale = b.detach().abs().max() if b.numel() else b.new_zeros(())
@@ -305,7 +324,7 @@ def _mismatch(replayed: torch.Tensor, value: torch.Tensor, inputs: list[torch.Te
     if not close(replayed, value):
         return "value"
     wrt = [t for t in inputs if t.requires_grad]
-    if not wrt or not (replayed.requires_grad and value.requires_grad):
+    if not gradients or not wrt or not (replayed.requires_grad and value.requires_grad):
         return None
     replayed_grads = torch.autograd.grad(replayed, wrt, retain_graph=True, allow_unused=True)
     grads = torch.autograd.grad(value, wrt, retain_graph=True, allow_unused=True)
@@ -374,6 +393,13 @@ class _Recorder(TorchDispatchMode):
             self._bind(value, node)
         return node
 
+    def _nodes_in(self, value: Any) -> Any:
+        """``value`` with every tensor replaced by its node (an operation's arguments hold tensors,
+        numbers, and tuples or lists of them)."""
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._nodes_in(v) for v in value)
+        return self._node(value)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -381,7 +407,7 @@ class _Recorder(TorchDispatchMode):
         if not all(o is None or isinstance(o, torch.Tensor) for o in outputs):
             raise DataDependentError(f"{func} returned a Python value (the model read a tensor's value)")
         node = self.graph.call_function(
-            func, pytree.tree_map(self._node, args), pytree.tree_map(self._node, kwargs)
+            func, self._nodes_in(args), {k: self._nodes_in(v) for k, v in kwargs.items()}
         )
         if isinstance(out, torch.Tensor):
             self._bind(out, node)
