@@ -10,7 +10,8 @@ style; ``EnumMessenger`` reading ``value.data``; ``Dice.compute_expectation`` br
 ``(prob > 0).all()`` and calling ``masked_select``; torch's normal samplers filling an
 unbatched tensor in place, which ``randomness="different"`` refuses. Inside the ``with``
 block each is swapped for a version that behaves the same outside ``vmap`` and batches
-inside it; on exit everything is put back.
+inside it; on exit everything is put back. A graph recording (:mod:`~pyro_pdvi.infer.graphs`)
+needs the same changes, for every tensor: :func:`graph_recording_pyro`.
 """
 
 from __future__ import annotations
@@ -221,9 +222,9 @@ def vmap_compatible_pyro() -> Iterator[None]:
 
 @contextlib.contextmanager
 def graph_recording_pyro() -> Iterator[None]:
-    """:func:`vmap_compatible_pyro` for a recording by ``make_fx``
-    (:mod:`~pyro_pdvi.infer.graphs`), which cannot read a tensor's value: every tensor is
-    treated as a mapped one inside the ``with`` block."""
+    """:func:`vmap_compatible_pyro` for a graph recording (:mod:`~pyro_pdvi.infer.graphs`),
+    which may not read a tensor's value: every tensor is treated as a mapped one inside the
+    ``with`` block."""
     global _recording
     with vmap_compatible_pyro():
         _recording = True
