@@ -46,7 +46,7 @@ import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -91,6 +91,32 @@ class _Signature:
     checked: int = 0
     checked_other_indices: bool = False
     failure: str | None = None
+
+
+class _Call(NamedTuple):
+    """One evaluation's arguments: ``eager`` (``f_b`` through Pyro) and what it is called with,
+    with the step's tensor arguments, which a graph takes as inputs."""
+
+    eager: EagerBlock
+    copies: Values
+    rows: Values
+    indices: torch.Tensor
+    args: tuple
+    kwargs: dict
+    tensors: list[torch.Tensor]
+
+    @property
+    def differentiable(self) -> list[torch.Tensor]:
+        """The copies and rows, in the order of the graph's first inputs."""
+        return [*self.copies.values(), *self.rows.values()]
+
+    @property
+    def graph_inputs(self) -> list[torch.Tensor]:
+        """A graph's inputs: copies, rows, data indices, the step's tensor arguments."""
+        return [*self.differentiable, self.indices, *self.tensors]
+
+    def through_pyro(self) -> torch.Tensor:
+        return self.eager(self.copies, self.rows, self.indices, self.args, self.kwargs)
 
 
 @dataclass
@@ -149,36 +175,33 @@ class GraphReplay:
         """
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        call = _Call(eager, copies, rows, indices, args, kwargs, tensors)
         key = self._key(copies, rows, indices, leaves, spec)
-        if (
-            not self.enabled
-            or key is None
-            or _in_transform(indices, *copies.values(), *rows.values(), *tensors)
-        ):
-            return self._through_pyro(eager, copies, rows, indices, args, kwargs)
+        if not self.enabled or key is None or _in_transform(*call.graph_inputs):
+            return self._through_pyro(call)
         signature = self._signatures.get(key)
         if signature is None:
             if len(self._signatures) >= MAX_SIGNATURES:  # an argument that changes every step
-                return self._through_pyro(eager, copies, rows, indices, args, kwargs)
+                return self._through_pyro(call)
             signature = self._signatures[key] = _Signature()
         if signature.graph is None:
             if signature.failure is not None or signature.evaluations < self.record_after:
-                return self._timed(signature, eager, copies, rows, indices, args, kwargs)
-            return self._record(signature, eager, copies, rows, indices, args, kwargs)
+                return self._timed(signature, call)
+            return self._record(signature, call)
         if signature.checked < CHECKED_REPLAYS or not signature.checked_other_indices:
             other_indices = not torch.equal(indices, signature.recorded_indices)
             if signature.checked < CHECKED_REPLAYS or other_indices:
-                return self._checked(signature, other_indices, eager, copies, rows, indices, args, kwargs)
+                return self._checked(signature, call, other_indices)
         if (self.stats.replayed + 1) % CHECK_EVERY == 0:
-            return self._checked(signature, False, eager, copies, rows, indices, args, kwargs)
+            return self._checked(signature, call, False)
         on_cpu = indices.device.type == "cpu"
         generator = torch.get_rng_state() if on_cpu else None
-        value = signature.graph(*copies.values(), *rows.values(), indices, *tensors)
+        value = signature.graph(*call.graph_inputs)
         if on_cpu and not bool(torch.isfinite(value).all()):
             # Again through Pyro, whose validation (off in a replay) names what is wrong, as without
             # replay. On a GPU that would read a value on the host at every evaluation: not there.
             torch.set_rng_state(generator)
-            return self._through_pyro(eager, copies, rows, indices, args, kwargs)
+            return self._through_pyro(call)
         self.stats.replayed += 1
         return value
 
@@ -209,45 +232,35 @@ class GraphReplay:
             others,
         )
 
-    def _through_pyro(self, eager: EagerBlock, *inputs: Any) -> torch.Tensor:
+    def _through_pyro(self, call: _Call) -> torch.Tensor:
         self.stats.through_pyro += 1
-        return eager(*inputs)
+        return call.through_pyro()
 
-    def _timed(self, signature: _Signature, eager: EagerBlock, *inputs: Any) -> torch.Tensor:
+    def _timed(self, signature: _Signature, call: _Call) -> torch.Tensor:
         """An evaluation through Pyro, counted and timed towards the signature's recording."""
         start = time.perf_counter()
-        value = self._through_pyro(eager, *inputs)
+        value = self._through_pyro(call)
         signature.seconds += time.perf_counter() - start
         signature.evaluations += 1
         return value
 
-    def _record(
-        self,
-        signature: _Signature,
-        eager: EagerBlock,
-        copies: Values,
-        rows: Values,
-        indices: torch.Tensor,
-        args: tuple,
-        kwargs: dict,
-    ) -> torch.Tensor:
+    def _record(self, signature: _Signature, call: _Call) -> torch.Tensor:
         """Evaluate through Pyro while recording the signature's graph; a failure is kept as the
         signature's for good (the generator's state is put back, and Pyro evaluates again)."""
-        tensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
-        inputs = [*copies.values(), *rows.values(), indices, *tensors]
+        inputs, indices = call.graph_inputs, call.indices
         start = time.perf_counter()
         try:
             with _generator_kept(indices.device), graph_recording_pyro():
                 recorder = _Recorder(inputs)
                 with recorder:
-                    value = eager(copies, rows, indices, args, kwargs)
+                    value = call.through_pyro()
                 graph = recorder.graph_of(value)
         except Exception as error:  # whatever the model does that a recording cannot follow
             signature.failure = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
             self.stats.failures.append(
                 f"blocks of {indices.shape[-1]} data: not recorded ({signature.failure})"
             )
-            return self._through_pyro(eager, copies, rows, indices, args, kwargs)
+            return self._through_pyro(call)
         seconds = time.perf_counter() - start
         signature.graph = graph
         signature.recorded_indices = indices.detach().clone()
@@ -258,48 +271,37 @@ class GraphReplay:
         # The recording was an evaluation through Pyro at this noise (the generator was put back):
         # its replay draws the same and must give the same value and gradient.
         replayed = graph(*inputs)
-        mismatch = _mismatch(replayed, value, [*copies.values(), *rows.values()], gradients=True)
+        mismatch = _mismatch(replayed, value, call.differentiable, gradients=True)
         if mismatch is not None:
-            self._disable(
-                f"the replay of blocks of {indices.shape[-1]} data differed from the model in its {mismatch}"
-            )
+            self._disable(indices.shape[-1], mismatch)
             return value
         signature.checked += 1
         self.stats.replayed += 1
         return replayed
 
-    def _checked(
-        self,
-        signature: _Signature,
-        other_indices: bool,
-        eager: EagerBlock,
-        copies: Values,
-        rows: Values,
-        indices: torch.Tensor,
-        args: tuple,
-        kwargs: dict,
-    ) -> torch.Tensor:
+    def _checked(self, signature: _Signature, call: _Call, other_indices: bool) -> torch.Tensor:
         """A replay compared with an evaluation through Pyro at the same noise, in value (the
         recording's check compared gradients too); Pyro's value, and replay off for good, if
         they differ."""
-        tensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        indices = call.indices
         with _generator_kept(indices.device):
-            replayed = signature.graph(*copies.values(), *rows.values(), indices, *tensors)
-        value = self._through_pyro(eager, copies, rows, indices, args, kwargs)
-        mismatch = _mismatch(replayed, value, [*copies.values(), *rows.values()], gradients=False)
+            replayed = signature.graph(*call.graph_inputs)
+        value = self._through_pyro(call)
+        mismatch = _mismatch(replayed, value, call.differentiable, gradients=False)
         if mismatch is not None:
-            self._disable(
-                f"the replay of blocks of {indices.shape[-1]} data differed from the model in its {mismatch}"
-            )
+            self._disable(indices.shape[-1], mismatch)
             return value
         signature.checked += 1
         signature.checked_other_indices |= other_indices
         self.stats.replayed += 1
         return replayed
 
-    def _disable(self, reason: str) -> None:
-        """Replay off for the rest of the run, with a warning that says why."""
-        self.stats.disabled = reason
+    def _disable(self, block_size: int, mismatch: str) -> None:
+        """Replay off for the rest of the run, with a warning that says why (``mismatch``: what
+        differed, in blocks of ``block_size`` data)."""
+        self.stats.disabled = (
+            f"the replay of blocks of {block_size} data differed from the model in its {mismatch}"
+        )
         warn_user(
             f"PDVI: {self.stats.disabled}; the model's Python decides something that a recorded "
             "graph of its torch operations cannot follow (a branch, a counter, a data tensor "

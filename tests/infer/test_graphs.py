@@ -24,6 +24,20 @@ def replaying(objective):
     return objective
 
 
+def mu_guide(idx, **unused):
+    """q(mu) = N(mu_loc, 0.1): the guide of this module's small models of one global mean."""
+    pyro.sample("mu", dist.Normal(pyro.param("mu_loc", torch.tensor(0.3)), 0.1))
+
+
+def replaying_trace_elbo(model, guide, idx):
+    """A Trace_ELBO objective of ``model`` that replays from its first evaluation, with the current
+    params (:func:`build_objective`'s other values)."""
+    objective, unconstrained, layout, local_sites = build_objective(
+        model, guide, Trace_ELBO().differentiable_loss, idx
+    )
+    return replaying(objective), unconstrained, layout, local_sites
+
+
 def build_objectives(model, guide, loss_fn, idx):
     """The objective through Pyro and one that replays, after one evaluation (an ELBO's first
     call guesses max_plate_nesting by tracing, which draws: it must not shift a fixed noise)."""
@@ -138,8 +152,7 @@ class Branching:
             pyro.sample("x", dist.Normal(mu, noise), obs=self.x[ind])
 
     def guide(self, idx):
-        loc = pyro.param("mu_loc", torch.tensor(0.3))
-        pyro.sample("mu", dist.Normal(loc, 0.1))
+        mu_guide(idx)
 
 
 def test_a_model_that_reads_a_value_stays_with_pyro():
@@ -173,17 +186,15 @@ class Counting:
             pyro.sample("x", dist.Normal(mu, 1.0 + 0.1 * self.calls), obs=self.x[ind])
 
     def guide(self, idx):
-        loc = pyro.param("mu_loc", torch.tensor(0.3))
-        pyro.sample("mu", dist.Normal(loc, 0.1))
+        mu_guide(idx)
 
 
 def test_a_graph_that_fixed_python_state_is_caught_and_pyros_value_returned():
     toy, reference = Counting(), Counting()
     idx = torch.arange(12)
     loss_fn = Trace_ELBO().differentiable_loss
-    objective, unconstrained, layout, local_sites = build_objective(toy.model, toy.guide, loss_fn, idx)
+    objective, unconstrained, layout, local_sites = replaying_trace_elbo(toy.model, toy.guide, idx)
     through_pyro = build_objective(reference.model, reference.guide, loss_fn, idx)[0]
-    replaying(objective)
     indices = torch.arange(12).reshape(1, 12)
     copies, rows = random_point(unconstrained, layout, local_sites, indices, 0.0)
     losses = objective.bind(indices, [1], (idx,), {})
@@ -291,14 +302,8 @@ def test_a_python_number_among_the_arguments_is_part_of_the_signature(monkeypatc
         with pyro.plate("data", 12, subsample=idx) as ind, pyro.poutine.scale(scale=weight):
             pyro.sample("x", dist.Normal(mu, 1.0), obs=torch.linspace(-1.0, 2.0, 12)[ind])
 
-    def guide(idx, weight=1.0):
-        pyro.sample("mu", dist.Normal(pyro.param("mu_loc", torch.tensor(0.3)), 0.1))
-
     idx = torch.arange(12)
-    objective, unconstrained, layout, local_sites = build_objective(
-        model, guide, Trace_ELBO().differentiable_loss, idx
-    )
-    replaying(objective)
+    objective, unconstrained, layout, local_sites = replaying_trace_elbo(model, mu_guide, idx)
     indices = idx.reshape(2, 6)
     copies, rows = random_point(unconstrained, layout, local_sites, indices, 0.0)
     values = {}
@@ -340,14 +345,8 @@ def test_a_custom_backward_is_caught_by_the_recordings_gradient_check():
         with pyro.plate("data", 12, subsample=idx) as ind:
             pyro.sample("x", dist.Normal(_DoubledGradient.apply(mu), 1.0), obs=x[ind])
 
-    def guide(idx):
-        pyro.sample("mu", dist.Normal(pyro.param("mu_loc", torch.tensor(0.3)), 0.1))
-
     idx = torch.arange(12)
-    objective, unconstrained, layout, local_sites = build_objective(
-        model, guide, Trace_ELBO().differentiable_loss, idx
-    )
-    replaying(objective)
+    objective, unconstrained, layout, local_sites = replaying_trace_elbo(model, mu_guide, idx)
     indices = idx.reshape(1, 12)
     copies, rows = random_point(unconstrained, layout, local_sites, indices, 0.0)
     copies = {k: v.requires_grad_() for k, v in copies.items()}
