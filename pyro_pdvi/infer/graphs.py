@@ -6,15 +6,17 @@ of it, and the ELBO's bookkeeping, all in Python: on the generic suite's small m
 Python is most of an evaluation (``docs/benchmarks.md`` 13q). At the fixed Monte Carlo noise
 of a step (:class:`~pyro_pdvi.infer.handlers.FixedNoise`), ``f_b`` is a fixed composition of
 torch operations of the block's copies and rows, its data indices and the step's tensor
-arguments, with the noise drawn from torch's generator. A recording (:class:`_Recorder`, a
+arguments, with the noise drawn from torch's generator. A recording
+(:class:`~pyro_pdvi.infer.recording.Recorder`, a
 :class:`~torch.utils._python_dispatch.TorchDispatchMode`) runs one evaluation through Pyro and
-notes every torch operation it makes as a node of a :class:`torch.fx.Graph` (with Pyro's
-validation off, whose checks branch on values, and the ELBOs' ``.item()`` calls and NaN hooks
-left out, as under ``vmap``: :func:`~pyro_pdvi.infer._vmap.graph_recording_pyro`); later
-evaluations replay the recorded operations, which draw the same noise from the same generator
-state and are differentiated by autograd as the model's own operations are (first and second
-order). The operations are recorded below autograd, as they run on real tensors, so the
-recording is an evaluation itself: on the suite it cost about 10 evaluations through Pyro.
+notes every torch operation it makes (with Pyro's validation off, whose checks branch on
+values, and the ELBOs' ``.item()`` calls and NaN hooks left out, as under ``vmap``:
+:func:`~pyro_pdvi.infer._vmap.graph_recording_pyro`), drops repeated and unused operations and
+compiles the rest to a Python function (:mod:`~pyro_pdvi.infer.recording`); later evaluations
+call it: the same operations, which draw the same noise from the same generator state and are
+differentiated by autograd as the model's own operations are (first and second order). The
+operations are recorded below autograd, as they run on real tensors, so the recording is an
+evaluation itself: on the suite it cost about 3-6 evaluations through Pyro (13r).
 
 A graph serves one signature: the block size, the shapes and dtypes of the copies, rows and
 tensor arguments, and the values of the other arguments. A signature is recorded once it has
@@ -42,25 +44,24 @@ the data, a value outside a distribution's support). ``PDVI(graph_replay=False)`
 from __future__ import annotations
 
 import contextlib
-import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import warn_user
 from ._vmap import graph_recording_pyro
+from .recording import Recorder
 
 Values = dict[str, torch.Tensor]
 EagerBlock = Callable[[Values, Values, torch.Tensor, tuple, dict], torch.Tensor]
 
 #: Evaluations through Pyro of a signature before its first recording: a recording is expected
-#: to cost this many evaluations until one has been measured (the suite's: about 10, 13q).
-RECORD_AFTER = 10
+#: to cost this many evaluations until one has been measured (the suite's: about 3-6, 13r).
+RECORD_AFTER = 5
 
 #: Replays of each graph compared with an evaluation through Pyro before it is trusted (and
 #: further ones until one at data indices other than the recording's).
@@ -86,7 +87,7 @@ class _Signature:
 
     evaluations: int = 0
     seconds: float = 0.0
-    graph: torch.fx.GraphModule | None = None
+    graph: Callable[..., torch.Tensor] | None = None
     recorded_indices: torch.Tensor | None = None
     checked: int = 0
     checked_other_indices: bool = False
@@ -251,10 +252,10 @@ class GraphReplay:
         start = time.perf_counter()
         try:
             with _generator_kept(indices.device), graph_recording_pyro():
-                recorder = _Recorder(inputs)
+                recorder = Recorder(inputs)
                 with recorder:
                     value = call.through_pyro()
-                graph = recorder.graph_of(value)
+                graph = recorder.program(value).compile()
         except Exception as error:  # whatever the model does that a recording cannot follow
             signature.failure = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
             self.stats.failures.append(
@@ -347,82 +348,3 @@ def _in_transform(*tensors: torch.Tensor) -> bool:
 def _generator_kept(device: torch.device) -> contextlib.AbstractContextManager:
     """Run a ``with`` block from the generators' current state and put it back afterwards."""
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-
-
-class DataDependentError(RuntimeError):
-    """The model read a tensor's value in Python (``.item()``, ``bool``), which a graph of torch
-    operations cannot replay."""
-
-
-class _Recorder(TorchDispatchMode):
-    """Record the torch operations run inside its ``with`` block as a :class:`torch.fx.Graph`
-    over ``inputs``: each operation on real tensors runs as usual and is appended as a node;
-    a tensor that is neither an input nor made inside (the data, a constant of the model) is
-    kept as a constant of the graph. Below autograd, so the operations recorded are the forward
-    ones, which autograd differentiates again at replay.
-
-    :param inputs: the tensors that become the graph's placeholders, in order.
-    """
-
-    def __init__(self, inputs: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.graph = torch.fx.Graph()
-        self.root = torch.nn.Module()
-        self._nodes: dict[int, torch.fx.Node] = {}
-        # Every tensor seen stays alive until the recording ends, so that no id is reused.
-        self._seen: list[torch.Tensor] = []
-        for i, tensor in enumerate(inputs):
-            self._bind(tensor, self.graph.placeholder(f"input_{i}"))
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ to keep torch.compile out of it, which imports
-        # torch._dynamo at the first operation (1.3-2 CPU s here); nothing here is compiled.
-        return False
-
-    def _bind(self, tensor: torch.Tensor, node: torch.fx.Node) -> None:
-        self._nodes[id(tensor)] = node
-        self._seen.append(tensor)
-
-    def _node(self, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        node = self._nodes.get(id(value))
-        if node is None:
-            name = f"constant_{len(self._seen)}"
-            self.root.register_buffer(name, value, persistent=False)
-            node = self.graph.get_attr(name)
-            self._bind(value, node)
-        return node
-
-    def _nodes_in(self, value: Any) -> Any:
-        """``value`` with every tensor replaced by its node (an operation's arguments hold tensors,
-        numbers, and tuples or lists of them)."""
-        if isinstance(value, (tuple, list)):
-            return type(value)(self._nodes_in(v) for v in value)
-        return self._node(value)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        outputs = out if isinstance(out, (tuple, list)) else (out,)
-        if not all(o is None or isinstance(o, torch.Tensor) for o in outputs):
-            raise DataDependentError(f"{func} returned a Python value (the model read a tensor's value)")
-        node = self.graph.call_function(
-            func, self._nodes_in(args), {k: self._nodes_in(v) for k, v in kwargs.items()}
-        )
-        if isinstance(out, torch.Tensor):
-            self._bind(out, node)
-        else:
-            for i, o in enumerate(outputs):
-                if o is not None:
-                    self._bind(o, self.graph.call_function(operator.getitem, (node, i)))
-        return out
-
-    def graph_of(self, value: torch.Tensor) -> torch.fx.GraphModule:
-        """The recorded graph, returning ``value`` (a tensor made inside the recording)."""
-        self.graph.output(self._node(value))
-        module = torch.fx.GraphModule(self.root, self.graph)
-        self._seen.clear()
-        self._nodes.clear()
-        return module

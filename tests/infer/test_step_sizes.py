@@ -351,7 +351,8 @@ def test_blocks_are_measured_by_finite_differences_where_the_graph_has_no_second
     distributions) double backward silently drops that op's share of the products; the check of
     the first products against central differences of the gradient catches it, and the blocks
     are measured by central differences instead: the same information, to their truncation
-    error (float64)."""
+    error (float64). Through Pyro (``graph_replay=False``): a replayed graph holds the Function's
+    forward operations, which autograd differentiates twice."""
     problem = Hierarchical(num_data=20, num_blocks=4)
 
     def once_differentiable_model(idx):
@@ -370,6 +371,7 @@ def test_blocks_are_measured_by_finite_differences_where_the_graph_has_no_second
             pyro.optim.Adam({}),
             TraceMeanField_ELBO(num_particles=4, vectorize_particles=True),
             blocks=problem.blocks,
+            graph_replay=False,
         )
         for block in problem.blocks:
             pdvi.step(block)
