@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -150,10 +150,23 @@ class GraphReplay:
         self.record_after = record_after
         self.stats = GraphReplayStats()
         self._signatures: dict[tuple, _Signature] = {}
+        self._one_off = False
 
     @property
     def enabled(self) -> bool:
         return self.stats.disabled is None
+
+    @contextlib.contextmanager
+    def one_off(self) -> Iterator[None]:
+        """Evaluations inside do not count towards a recording: a one-time pass over the blocks
+        with the arguments of one step, whose signatures (another block's size with this step's
+        argument shapes) need not recur. A signature with a trusted graph still replays. On the
+        suite's random-effects model the coupling's pass recorded two such graphs (13r)."""
+        self._one_off = True
+        try:
+            yield
+        finally:
+            self._one_off = False
 
     def evaluate(
         self,
@@ -181,6 +194,8 @@ class GraphReplay:
         if not self.enabled or key is None or _in_transform(*call.graph_inputs):
             return self._through_pyro(call)
         signature = self._signatures.get(key)
+        if self._one_off and (signature is None or signature.graph is None):
+            return self._through_pyro(call)
         if signature is None:
             if len(self._signatures) >= MAX_SIGNATURES:  # an argument that changes every step
                 return self._through_pyro(call)

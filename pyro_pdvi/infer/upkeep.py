@@ -24,6 +24,7 @@ A change of step sizes moves ``lambda_0`` with ``h = H mean(mu)`` and keeps the 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -226,7 +227,10 @@ class StepSizeUpkeep:
         sites = torch.empty(state.consensus.numel(), dtype=torch.long, device=state.consensus.device)
         for number, span in enumerate(self.layout.slices.values()):
             sites[span] = number
-        coupling = measure_coupling(hessian_products, owned, shared, state.information, sites)
+        # Every block is evaluated with this step's arguments: signatures that need not recur.
+        graphs = self._objective.graphs
+        with graphs.one_off() if graphs is not None else contextlib.nullcontext():
+            coupling = measure_coupling(hessian_products, owned, shared, state.information, sites)
         if coupling is None:
             return
         self._coupling = coupling.to(state.consensus)

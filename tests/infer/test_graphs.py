@@ -324,6 +324,35 @@ def test_a_python_number_among_the_arguments_is_part_of_the_signature(monkeypatc
     assert stats.through_pyro == through_pyro + 6 and stats.recorded == 2
 
 
+def test_one_off_evaluations_neither_record_nor_count_but_replay_a_trusted_graph():
+    """A one-time pass (the coupling's measurement, with one step's arguments for every block)
+    goes through Pyro where no graph is trusted, and leaves no signature behind."""
+
+    def model(idx):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", 12, subsample=idx) as ind:
+            pyro.sample("x", dist.Normal(mu, 1.0), obs=torch.linspace(-1.0, 2.0, 12)[ind])
+
+    idx = torch.arange(12)
+    objective, unconstrained, layout, local_sites = replaying_trace_elbo(model, mu_guide, idx)
+    indices = idx.reshape(2, 6)
+    copies, rows = random_point(unconstrained, layout, local_sites, indices, 0.0)
+    stats = objective.graphs.stats
+    with objective.graphs.one_off():
+        pyros = objective.bind(indices, [1, 2], (idx,), {})(copies, rows)
+    assert (stats.recorded, stats.through_pyro, stats.replayed) == (0, 2, 0)
+    assert not objective.graphs._signatures
+    objective.bind(indices, [1, 2], (idx,), {})(copies, rows)  # records (record_after=0)
+    assert stats.recorded == 1
+    for _ in range(3):  # past the checks
+        objective.bind(indices, [1, 2], (idx,), {})(copies, rows)
+    replayed, through_pyro = stats.replayed, stats.through_pyro
+    with objective.graphs.one_off():
+        replays = objective.bind(indices, [1, 2], (idx,), {})(copies, rows)
+    assert stats.replayed == replayed + 2 and stats.through_pyro == through_pyro
+    torch.testing.assert_close(replays, pyros, rtol=1e-12, atol=1e-12)
+
+
 class _DoubledGradient(torch.autograd.Function):
     """The identity with twice the gradient (a surrogate gradient, as in a straight-through
     estimator): a graph keeps its forward operations, not its backward."""
