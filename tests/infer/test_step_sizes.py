@@ -352,7 +352,8 @@ def test_blocks_are_measured_by_finite_differences_where_the_graph_has_no_second
     the first products against central differences of the gradient catches it, and the blocks
     are measured by central differences instead: the same information, to their truncation
     error (float64). Through Pyro (``graph_replay=False``): a replayed graph holds the Function's
-    forward operations, which autograd differentiates twice."""
+    forward operations, which autograd differentiates twice; with replay, by either path, the
+    same information."""
     problem = Hierarchical(num_data=20, num_blocks=4)
 
     def once_differentiable_model(idx):
@@ -361,8 +362,7 @@ def test_blocks_are_measured_by_finite_differences_where_the_graph_has_no_second
             theta = pyro.sample("theta", pyro.distributions.Normal(mu, problem.tau))
             pyro.sample("x", pyro.distributions.Normal(theta, problem.sigma), obs=problem.x[ind])
 
-    information = []
-    for second_order, model in ((True, problem.model), (False, once_differentiable_model)):
+    def measured(model, graph_replay):
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
         pdvi = PDVI(
@@ -371,16 +371,23 @@ def test_blocks_are_measured_by_finite_differences_where_the_graph_has_no_second
             pyro.optim.Adam({}),
             TraceMeanField_ELBO(num_particles=4, vectorize_particles=True),
             blocks=problem.blocks,
-            graph_replay=False,
+            graph_replay=graph_replay,
         )
         for block in problem.blocks:
             pdvi.step(block)
+        return pdvi
+
+    information = []
+    for second_order, model in ((True, problem.model), (False, once_differentiable_model)):
+        pdvi = measured(model, graph_replay=False)
         information.append(pdvi.state.information)
         assert pdvi._second_order == second_order
         expected = "double_backward" if second_order else "central_differences"
         assert pdvi.diagnostics["hessian_products"] == expected
     assert information[0].abs().sum() > 0
     assert torch.allclose(information[0], information[1], rtol=1e-6)
+    replayed = measured(once_differentiable_model, graph_replay=True).state.information
+    assert torch.allclose(information[0], replayed, rtol=1e-6)
 
 
 def test_auto_takes_a_stiffer_natural_constant_where_the_solves_fit_local_rows():
