@@ -159,9 +159,9 @@ class GraphReplay:
     @contextlib.contextmanager
     def one_off(self) -> Iterator[None]:
         """Evaluations inside do not count towards a recording: a one-time pass over the blocks
-        with the arguments of one step, whose signatures (another block's size with this step's
-        argument shapes) need not recur. A signature with a trusted graph still replays. On the
-        suite's random-effects model the coupling's pass recorded two such graphs (13r)."""
+        that may evaluate a block with another step's arguments (the coupling's, in a run
+        resumed within its first epoch), whose signatures need not recur. A signature with a
+        trusted graph still replays."""
         self._one_off = True
         try:
             yield

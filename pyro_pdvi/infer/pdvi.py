@@ -260,6 +260,9 @@ class PDVI(StepSizeUpkeep):
         # Blocks whose diagonal curvature was measured (at their first visit; the state_dict
         # key is still "bounded_blocks", as in checkpoints before the weighted rule).
         self._measured_blocks: set[int] = set()
+        # Each block's arguments at its first step, for the coupling's pass over every block
+        # (held until every block is measured).
+        self._first_step_args: dict[int, tuple[tuple, dict]] = {}
         self._guard = RisingObjectiveGuard()
         self._stationarity = StationarityTest()
         self._state: ConsensusState | None = None

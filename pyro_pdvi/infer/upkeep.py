@@ -136,6 +136,7 @@ class StepSizeUpkeep:
             curvature = diagonal_curvature(products, self._consensus_params, probes)
             measured[b] = torch.where(torch.isfinite(curvature), curvature, 0.0)
             self._measured_blocks.add(b)
+            self._first_step_args[b] = (args, kwargs)
         # Each process measured its own new blocks: the sum over processes gives every row.
         measured = self._all_reduce(measured)
         ids = measured.sum(1).nonzero().reshape(-1)
@@ -146,6 +147,8 @@ class StepSizeUpkeep:
             self._couple(args, kwargs)
             if self.concentrated_sites:
                 self._warn_of_concentrated_coordinates()
+        if len(self._measured_blocks) == len(self.partition):
+            self._first_step_args.clear()
         if not self._step_sizes.natural or not len(ids):
             return False
         return self._step_sizes.bound_block_curvature(measured[ids].amax(0))
@@ -195,9 +198,9 @@ class StepSizeUpkeep:
     def _couple(self, args: tuple, kwargs: dict) -> None:
         """Couple the concentrated coordinates with the shared ones that their blocks' data tie
         them to and carry the state into the coupled coordinates (:mod:`~pyro_pdvi.infer.coupling`),
-        measured at ``lambda_0`` and every block's rows. Only for the generic solver in one process
-        (a closed-form solver works in the params' coordinates), and only coordinates under the
-        natural rule."""
+        measured at ``lambda_0`` and every block's rows, each block with the arguments of its
+        first step. Only for the generic solver in one process (a closed-form solver works in the
+        params' coordinates), and only coordinates under the natural rule."""
         if not self.couple_concentrated or self._shares_steps or not isinstance(self.solver, GenericSolver):
             return
         state = self._state
@@ -219,15 +222,19 @@ class StepSizeUpkeep:
 
         def hessian_products(b: int, directions: torch.Tensor) -> torch.Tensor:
             if b not in block_products:
+                # The block's own step arguments (data a model takes per step are the block's);
+                # this step's where they are not kept (a run resumed within its first epoch).
+                block_args, block_kwargs = self._first_step_args.get(b, (args, kwargs))
                 block_products[b] = self._block_hessian_products(
-                    b, args, kwargs, seed + b, COUPLING_RELATIVE_STEP
+                    b, block_args, block_kwargs, seed + b, COUPLING_RELATIVE_STEP
                 )
             return block_products[b](directions)
 
         sites = torch.empty(state.consensus.numel(), dtype=torch.long, device=state.consensus.device)
         for number, span in enumerate(self.layout.slices.values()):
             sites[span] = number
-        # Every block is evaluated with this step's arguments: signatures that need not recur.
+        # Evaluations at signatures that need not recur (this step's arguments for blocks not
+        # kept in _first_step_args) are not recorded.
         graphs = self._objective.graphs
         with graphs.one_off() if graphs is not None else contextlib.nullcontext():
             coupling = measure_coupling(hessian_products, owned, shared, state.information, sites)

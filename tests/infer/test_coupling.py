@@ -367,3 +367,24 @@ def test_the_measurement_evaluates_each_blocks_model_once(monkeypatch):
     pdvi = _fit(counted, blocks, 1, seed=0, pdvi=pdvi)
     assert pdvi.coupled_sites  # both passes ran
     assert calls["during"] == len(blocks)
+
+
+def test_the_measurement_evaluates_each_block_with_its_own_step_arguments(monkeypatch):
+    """A model may take a block's data as a step argument: the coupling's pass over every block
+    evaluates each with the arguments of its first step, not those of the step that found the
+    concentrated coordinates (and releases them once every block is measured)."""
+    model, blocks, _ = intercepts_and_slopes()
+    seen: dict[int, torch.Tensor] = {}
+    products = PDVI._block_hessian_products
+
+    def recorded(self, b, args, kwargs, seed, relative_step=None):
+        seen[b] = args[0]
+        return products(self, b, args, kwargs, seed, relative_step)
+
+    monkeypatch.setattr(PDVI, "_block_hessian_products", recorded)
+    pdvi = _fit(model, blocks, 1, seed=0)
+    assert pdvi.coupled_sites  # the coupling's pass ran, after every block's own measurement
+    assert sorted(seen) == list(range(len(blocks)))
+    for b, block in enumerate(blocks):
+        assert torch.equal(seen[b], block)
+    assert not pdvi._first_step_args
