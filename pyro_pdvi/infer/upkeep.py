@@ -136,7 +136,8 @@ class StepSizeUpkeep:
             curvature = diagonal_curvature(products, self._consensus_params, probes)
             measured[b] = torch.where(torch.isfinite(curvature), curvature, 0.0)
             self._measured_blocks.add(b)
-            self._first_step_args[b] = (args, kwargs)
+            if self._may_couple():
+                self._first_step_args[b] = (args, kwargs)
         # Each process measured its own new blocks: the sum over processes gives every row.
         measured = self._all_reduce(measured)
         ids = measured.sum(1).nonzero().reshape(-1)
@@ -195,13 +196,17 @@ class StepSizeUpkeep:
             "PDVI.concentrated_sites lists these sites.",
         )
 
+    def _may_couple(self) -> bool:
+        """Whether concentrated coordinates would be coupled once found (:meth:`_couple`)."""
+        return self.couple_concentrated and not self._shares_steps and isinstance(self.solver, GenericSolver)
+
     def _couple(self, args: tuple, kwargs: dict) -> None:
         """Couple the concentrated coordinates with the shared ones that their blocks' data tie
         them to and carry the state into the coupled coordinates (:mod:`~pyro_pdvi.infer.coupling`),
         measured at ``lambda_0`` and every block's rows, each block with the arguments of its
         first step. Only for the generic solver in one process (a closed-form solver works in the
         params' coordinates), and only coordinates under the natural rule."""
-        if not self.couple_concentrated or self._shares_steps or not isinstance(self.solver, GenericSolver):
+        if not self._may_couple():
             return
         state = self._state
         # The growth of a coupled step size presumes step sizes in proportion to each coordinate's
