@@ -134,7 +134,7 @@ class Program:
             fresh.add(ref.step)
             written.extend(_viewed(self.steps[ref.step]))
         first: dict[tuple, int] = {}
-        renamed: dict[str, str] = {}
+        renamed: dict[str, Ref] = {}
         steps: list[Step | None] = []
         for index, step in enumerate(self.steps):
             if step is None:
@@ -143,7 +143,7 @@ class Program:
             step = Step(step.op, _renamed(step.args, renamed), _renamed(step.kwargs, renamed))
             key = _key(step) if step.pure and index not in fresh else None
             if key is not None and key in first:
-                renamed[f"v{index}"] = f"v{first[key]}"
+                renamed[f"v{index}"] = Ref(f"v{first[key]}", first[key])
                 steps.append(None)
                 continue
             if key is not None:
@@ -285,35 +285,32 @@ def _refs_in(values: tuple | list) -> list[Ref]:
 
 def _written(step: Step) -> list[Ref]:
     """The tensors a step writes in place (its schema's arguments marked ``!``)."""
-    written = []
-    for i, argument in enumerate(step.op._schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = step.args[i] if i < len(step.args) else step.kwargs.get(argument.name)
-            written.extend(_refs_in([value]))
-    return written
+    return _arguments(step, lambda alias: alias.is_write)
 
 
 def _viewed(step: Step) -> list[Ref]:
     """The tensors whose view a step returns (its schema's arguments and returns share an alias
     set, as ``detach``, ``view``, ``expand`` do)."""
-    schema = step.op._schema
-    if not any(r.alias_info is not None for r in schema.returns):
+    if not any(r.alias_info is not None for r in step.op._schema.returns):
         return []
-    viewed = []
-    for i, argument in enumerate(schema.arguments):
-        if argument.alias_info is not None:
+    return _arguments(step, lambda alias: True)
+
+
+def _arguments(step: Step, chosen: Callable[[Any], bool]) -> list[Ref]:
+    """The tensors a step takes as arguments whose schema alias annotation is ``chosen``."""
+    refs = []
+    for i, argument in enumerate(step.op._schema.arguments):
+        if argument.alias_info is not None and chosen(argument.alias_info):
             value = step.args[i] if i < len(step.args) else step.kwargs.get(argument.name)
-            viewed.extend(_refs_in([value]))
-    return viewed
+            refs.extend(_refs_in([value]))
+    return refs
 
 
-def _renamed(value: Any, renamed: dict[str, str]) -> Any:
+def _renamed(value: Any, renamed: dict[str, Ref]) -> Any:
     """``value`` with references to dropped steps' outputs read from the steps they repeat."""
     if isinstance(value, Ref):
-        if value.name not in renamed:
-            return value
-        name = renamed[value.name]
-        return Ref(name, int(name[1:]), value.item)
+        first = renamed.get(value.name)
+        return value if first is None else Ref(first.name, first.step, value.item)
     if isinstance(value, dict):
         return {k: _renamed(v, renamed) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
