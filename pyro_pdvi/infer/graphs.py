@@ -19,10 +19,16 @@ operations are recorded below autograd, as they run on real tensors, so the reco
 evaluation itself: on the suite it cost about 3-6 evaluations through Pyro (13r).
 
 A graph serves one signature: the block size, the shapes and dtypes of the copies, rows and
-tensor arguments, and the values of the other arguments. A signature is recorded once it has
-been evaluated through Pyro as many times as a recording is expected to cost (the ski-rental
-rule: at most about twice the cost of the better choice in hindsight; the expectation starts at
-:data:`RECORD_AFTER` and follows the recordings measured).
+tensor arguments, and the values of the other arguments. PDVI visits its fixed blocks again every
+epoch, and a block solve evaluates its block several times, so the first signatures, as many as
+the blocks (``recurring``), are recorded at their first evaluation: a recording costs about 3-4
+evaluations through Pyro and a replay about a third of one, so it is paid back within the
+block's first solve or two. On the suite's random-effects model, whose 30 blocks have 15 sizes,
+that took its first epoch from 5.0 to 4.3 CPU s (``docs/benchmarks.md`` 13s). Further
+signatures (a step argument that changes every step, say) are recorded once evaluated through
+Pyro as many times as a recording is expected to cost (the ski-rental rule: at most about
+twice the cost of the better choice in hindsight; the expectation starts at :data:`RECORD_AFTER`
+and follows the recordings measured).
 
 A replay is trusted only once checked. The first :data:`CHECKED_REPLAYS` replays of each graph,
 and further ones until one at other data indices than the recording's, are compared with an
@@ -85,6 +91,7 @@ REPLAY_RTOL = 1e-5
 class _Signature:
     """What one signature's evaluations have cost and what its graph is."""
 
+    recurs: bool = False
     evaluations: int = 0
     seconds: float = 0.0
     graph: Callable[..., torch.Tensor] | None = None
@@ -144,10 +151,13 @@ class GraphReplay:
 
     :param record_after: evaluations through Pyro of a signature before its first recording
         (later ones follow the measured cost of the recordings).
+    :param recurring: how many signatures, the first ones, are expected to recur and are recorded
+        at their first evaluation (PDVI's number of blocks).
     """
 
-    def __init__(self, record_after: int = RECORD_AFTER) -> None:
+    def __init__(self, record_after: int = RECORD_AFTER, recurring: int = 0) -> None:
         self.record_after = record_after
+        self.recurring = recurring
         self.stats = GraphReplayStats()
         self._signatures: dict[tuple, _Signature] = {}
         self._one_off = False
@@ -199,9 +209,10 @@ class GraphReplay:
         if signature is None:
             if len(self._signatures) >= MAX_SIGNATURES:  # an argument that changes every step
                 return self._through_pyro(call)
-            signature = self._signatures[key] = _Signature()
+            signature = self._signatures[key] = _Signature(recurs=len(self._signatures) < self.recurring)
         if signature.graph is None:
-            if signature.failure is not None or signature.evaluations < self.record_after:
+            record_after = 0 if signature.recurs else self.record_after
+            if signature.failure is not None or signature.evaluations < record_after:
                 return self._timed(signature, call)
             return self._record(signature, call)
         if signature.checked < CHECKED_REPLAYS or not signature.checked_other_indices:

@@ -79,6 +79,8 @@ class BlockObjective:
         which tests use to hold the two kernels equal).
     :param graph_replay: evaluate a block by replaying a recorded graph of its torch operations
         where that is safe (:mod:`~pyro_pdvi.infer.graphs`), not through Pyro every time.
+    :param num_blocks: how many blocks the run visits again every epoch (graph replay records
+        that many signatures at their first evaluation).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class BlockObjective:
         local_sites: list[LocalSite],
         randomness: str = "different",
         graph_replay: bool = False,
+        num_blocks: int = 0,
     ) -> None:
         if randomness not in RANDOMNESS:
             raise ValueError(f"Invalid randomness: {randomness!r}; use one of {RANDOMNESS}")
@@ -103,7 +106,7 @@ class BlockObjective:
         self.site_constraints.update({s.name: s.constraint for s in local_sites})
         self.row_names = frozenset(s.name for s in local_sites)
         self.networks = networks_of(model, guide)
-        self.graphs = GraphReplay() if graph_replay else None
+        self.graphs = GraphReplay(recurring=num_blocks) if graph_replay else None
 
     def bind(self, indices: torch.Tensor, seeds: Sequence[int], args: tuple, kwargs: dict) -> BlockLosses:
         """The objective of the blocks with data ``indices`` (``(m, s)``) at the noise of

@@ -21,6 +21,7 @@ over groups of sites (:mod:`~pyro_pdvi.infer.step_sizes`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -321,6 +322,7 @@ class PDVI(StepSizeUpkeep):
             self.layout,
             self.local_sites,
             graph_replay=self.graph_replay,
+            num_blocks=len(self.partition),
         )
         groups = resolve_groups(self.groups, self.layout.names, self.eta)
         consensus = self._params.consensus()
@@ -357,20 +359,24 @@ class PDVI(StepSizeUpkeep):
         particles PDVI chose, the solves use the user's ELBO as it is."""
         first = self.partition.stacked(torch.tensor([0]), self.device)
         rows = self._params.rows(first)
-        try:
-            self._objective.bind(first, [0], args, kwargs)(self._copies(self._state.consensus, 1), rows)
-        except Exception as error:
-            if not self._solve_loss.owned:
-                raise
-            self._solve_loss = solve_loss(self.loss, None, self.antithetic, self._noisy_solve)
-            self._objective.loss_fn = self._solve_loss.fn
-            warn_user(
-                f"PDVI could not vectorize the model over {self._solve_loss.loss.num_particles} "
-                f"particles for its block solves ({type(error).__name__}: {error}); they use the "
-                "loss as given. Write the model so that it broadcasts over a leading particle "
-                "dimension (see Pyro's vectorize_particles), or pass particles=None.",
-            )
-            self._objective.bind(first, [0], args, kwargs)(self._copies(self._state.consensus, 1), rows)
+        graphs = self._objective.graphs
+        # Through Pyro, not recorded: the ELBO's set-up runs in it, and a graph must hold only
+        # what every evaluation does.
+        with graphs.one_off() if graphs is not None else contextlib.nullcontext():
+            try:
+                self._objective.bind(first, [0], args, kwargs)(self._copies(self._state.consensus, 1), rows)
+            except Exception as error:
+                if not self._solve_loss.owned:
+                    raise
+                self._solve_loss = solve_loss(self.loss, None, self.antithetic, self._noisy_solve)
+                self._objective.loss_fn = self._solve_loss.fn
+                warn_user(
+                    f"PDVI could not vectorize the model over {self._solve_loss.loss.num_particles} "
+                    f"particles for its block solves ({type(error).__name__}: {error}); they use the "
+                    "loss as given. Write the model so that it broadcasts over a leading particle "
+                    "dimension (see Pyro's vectorize_particles), or pass particles=None.",
+                )
+                self._objective.bind(first, [0], args, kwargs)(self._copies(self._state.consensus, 1), rows)
         if self._noisy_solve and getattr(self._solve_loss.loss, "num_particles", 2) == 1:
             warn_user(
                 "PDVI holds the Monte Carlo noise fixed within each primal solve, and the solve's loss "

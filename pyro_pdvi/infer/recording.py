@@ -140,7 +140,8 @@ class Program:
             if step is None:
                 steps.append(None)
                 continue
-            step = Step(step.op, _renamed(step.args, renamed), _renamed(step.kwargs, renamed))
+            if any(ref.name in renamed for ref in step.reads):
+                step = Step(step.op, _renamed(step.args, renamed), _renamed(step.kwargs, renamed))
             key = _key(step) if step.pure and index not in fresh else None
             if key is not None and key in first:
                 renamed[f"v{index}"] = Ref(f"v{first[key]}", first[key])

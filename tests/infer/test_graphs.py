@@ -385,3 +385,47 @@ def test_a_custom_backward_is_caught_by_the_recordings_gradient_check():
     through = objective.bind(indices, [1], (idx,), {})(copies, rows)  # through Pyro from now on
     torch.testing.assert_close(value, through, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, torch.autograd.grad(through.sum(), copies["mu_loc"])[0])
+
+
+def test_the_first_signatures_are_recorded_at_once_and_later_ones_by_the_ski_rental_rule():
+    """``recurring=2``: the first two signatures (block sizes) are recorded at their first
+    evaluation; a third waits for ``record_after`` evaluations through Pyro."""
+
+    def model(idx):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", 12, subsample=idx) as ind:
+            pyro.sample("x", dist.Normal(mu, 1.0), obs=torch.linspace(-1.0, 2.0, 12)[ind])
+
+    idx = torch.arange(12)
+    objective, unconstrained, layout, local_sites = replaying_trace_elbo(model, mu_guide, idx)
+    objective.graphs = GraphReplay(record_after=3, recurring=2)
+    stats = objective.graphs.stats
+    for size, recorded in [(2, 1), (3, 2), (4, 2), (4, 2), (4, 2), (4, 3)]:
+        indices = idx[:size][None]
+        copies, rows = random_point(unconstrained, layout, local_sites, indices, 0.0)
+        objective.bind(indices, [1], (idx,), {})(copies, rows)
+        assert stats.recorded == recorded, size
+    assert stats.through_pyro == 3  # the third size's, before its recording
+
+
+def test_pdvi_records_each_block_size_at_its_first_evaluation_but_not_the_warm_up():
+    """Blocks of three sizes: after one epoch each size has its graph, and the evaluation before
+    the first solve (an ELBO's lazy set-up draws: :meth:`PDVI._warm_up`) went through Pyro
+    unrecorded, so the recordings match Pyro (replay stays on)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.linspace(-1.0, 2.0, 12)
+
+    def model(idx):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", 12, subsample=idx) as ind:
+            pyro.sample("x", dist.Normal(mu, 1.0), obs=x[ind])
+
+    guide = AutoNormal(model)
+    blocks = [torch.arange(0, 2), torch.arange(2, 5), torch.arange(5, 12)]
+    pdvi = PDVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), blocks=blocks)
+    for block in blocks:
+        pdvi.step(block)
+    stats = pdvi.diagnostics["graph_replay"]
+    assert stats.disabled is None and stats.recorded == 3
+    assert len(pdvi._objective.graphs._signatures) == 3
