@@ -332,6 +332,27 @@ def test_diagonal_curvature_is_exact_for_a_diagonal_hessian():
     assert torch.allclose(curvature, torch.diagonal(coupled), rtol=0.03)
 
 
+def test_diagonal_curvature_of_few_coordinates_is_exact():
+    """At most twice as many coordinates as probes: one product per unit vector, the diagonal
+    exactly, however stiff the coordinates it is tied to."""
+    g = torch.Generator().manual_seed(1)
+    root = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    hessian = root @ root.T + torch.diag(torch.tensor([1e-3, 1.0, 60.0, 0.1, 5.0, 2.0], dtype=torch.float64))
+    products = []
+
+    def coupled_products(directions):
+        products.append(len(directions))
+        return directions @ hessian
+
+    point = torch.zeros(6, dtype=torch.float64)
+    curvature = diagonal_curvature(coupled_products, point, 3)
+    assert products == [6]
+    torch.testing.assert_close(curvature, torch.diagonal(hessian), rtol=1e-12, atol=0.0)
+    products.clear()
+    diagonal_curvature(coupled_products, point, 2)  # 6 > 2 * 2: Rademacher probes
+    assert products == [2]
+
+
 class _OnceDifferentiableIdentity(torch.autograd.Function):
     """The identity, whose backward has no derivative of its own."""
 
