@@ -21,10 +21,11 @@ evaluation itself: on the suite it cost about 3-6 evaluations through Pyro (13r)
 A graph serves one signature: the block size, the shapes and dtypes of the copies, rows and
 tensor arguments, and the values of the other arguments. PDVI visits its fixed blocks again every
 epoch, and a block solve evaluates its block several times, so the first signatures, as many as
-the blocks (``recurring``), are recorded at their first evaluation: a recording costs about 3-4
-evaluations through Pyro and a replay about a third of one, so it is paid back within the
-block's first solve or two. On the suite's random-effects model, whose 30 blocks have 15 sizes,
-that took its first epoch from 5.0 to 4.3 CPU s (``docs/benchmarks.md`` 13s). Further
+the blocks (``recurring``), are recorded at their first evaluation: a recording costs a few
+evaluations through Pyro (above; 3.7 on the random-effects model in 13s) and a replay about a
+third of one, so it is paid back within the block's first solve or two. On the suite's
+random-effects model, whose 30 blocks have 15 sizes, that shortened its first epoch by 0.2-0.7
+of 4.3-5.5 CPU s in pinned pairs (``docs/benchmarks.md`` 13s). Further
 signatures (a step argument that changes every step, say) are recorded once evaluated through
 Pyro as many times as a recording is expected to cost (the ski-rental rule: at most about
 twice the cost of the better choice in hindsight; the expectation starts at :data:`RECORD_AFTER`

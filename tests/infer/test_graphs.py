@@ -29,6 +29,13 @@ def mu_guide(idx, **unused):
     pyro.sample("mu", dist.Normal(pyro.param("mu_loc", torch.tensor(0.3)), 0.1))
 
 
+def twelve_points(idx):
+    """A normal mean of twelve points, ``idx`` its data plate's subsample."""
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", 12, subsample=idx) as ind:
+        pyro.sample("x", dist.Normal(mu, 1.0), obs=torch.linspace(-1.0, 2.0, 12)[ind])
+
+
 def replaying_trace_elbo(model, guide, idx):
     """A Trace_ELBO objective of ``model`` that replays from its first evaluation, with the current
     params (:func:`build_objective`'s other values)."""
@@ -328,13 +335,8 @@ def test_one_off_evaluations_neither_record_nor_count_but_replay_a_trusted_graph
     """A one-time pass (the coupling's measurement, with one step's arguments for every block)
     goes through Pyro where no graph is trusted, and leaves no signature behind."""
 
-    def model(idx):
-        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
-        with pyro.plate("data", 12, subsample=idx) as ind:
-            pyro.sample("x", dist.Normal(mu, 1.0), obs=torch.linspace(-1.0, 2.0, 12)[ind])
-
     idx = torch.arange(12)
-    objective, unconstrained, layout, local_sites = replaying_trace_elbo(model, mu_guide, idx)
+    objective, unconstrained, layout, local_sites = replaying_trace_elbo(twelve_points, mu_guide, idx)
     indices = idx.reshape(2, 6)
     copies, rows = random_point(unconstrained, layout, local_sites, indices, 0.0)
     stats = objective.graphs.stats
@@ -391,13 +393,8 @@ def test_the_first_signatures_are_recorded_at_once_and_later_ones_by_the_ski_ren
     """``recurring=2``: the first two signatures (block sizes) are recorded at their first
     evaluation; a third waits for ``record_after`` evaluations through Pyro."""
 
-    def model(idx):
-        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
-        with pyro.plate("data", 12, subsample=idx) as ind:
-            pyro.sample("x", dist.Normal(mu, 1.0), obs=torch.linspace(-1.0, 2.0, 12)[ind])
-
     idx = torch.arange(12)
-    objective, unconstrained, layout, local_sites = replaying_trace_elbo(model, mu_guide, idx)
+    objective, unconstrained, layout, local_sites = replaying_trace_elbo(twelve_points, mu_guide, idx)
     objective.graphs = GraphReplay(record_after=3, recurring=2)
     stats = objective.graphs.stats
     for size, recorded in [(2, 1), (3, 2), (4, 2), (4, 2), (4, 2), (4, 3)]:
@@ -414,16 +411,9 @@ def test_pdvi_records_each_block_size_at_its_first_evaluation_but_not_the_warm_u
     unrecorded, so the recordings match Pyro (replay stays on)."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    x = torch.linspace(-1.0, 2.0, 12)
-
-    def model(idx):
-        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
-        with pyro.plate("data", 12, subsample=idx) as ind:
-            pyro.sample("x", dist.Normal(mu, 1.0), obs=x[ind])
-
-    guide = AutoNormal(model)
+    guide = AutoNormal(twelve_points)
     blocks = [torch.arange(0, 2), torch.arange(2, 5), torch.arange(5, 12)]
-    pdvi = PDVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), blocks=blocks)
+    pdvi = PDVI(twelve_points, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), blocks=blocks)
     for block in blocks:
         pdvi.step(block)
     stats = pdvi.diagnostics["graph_replay"]
