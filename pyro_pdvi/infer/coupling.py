@@ -140,6 +140,7 @@ def measure_coupling(
     shared: torch.Tensor,
     information: torch.Tensor,
     sites: torch.Tensor | None = None,
+    owner_columns: HessianProducts | None = None,
 ) -> Coupling | None:
     """Find ``R`` and how much the coupled coordinates' step sizes grow.
 
@@ -173,6 +174,8 @@ def measure_coupling(
         blocks' shares of a concentrated coordinate, and to pass over shared coordinates that
         the concentrated ones barely touch).
     :param sites: each coordinate's site, as an integer, ``(P,)`` (``None``: no common-shift test).
+    :param owner_columns: ``(b, J) -> H_b[J, :]``, the first pass's columns, where they are at
+        hand (``None``: products with unit vectors).
     :returns: the coupling, or ``None`` where no shared coordinate is coupled.
     """
     size = information.shape[1]
@@ -182,7 +185,10 @@ def measure_coupling(
         if not len(mine):
             ratios.append(information.new_zeros(0, len(shared_ids)))
             continue
-        columns = hessian_products(b, _units(information, mine))
+        if owner_columns is None:
+            columns = hessian_products(b, unit_vectors(information, mine))
+        else:
+            columns = owner_columns(b, mine)
         stiffness = columns[:, mine] + torch.diag(information[:, mine].sum(0) - information[b, mine])
         cross = columns[:, shared_ids]
         try:
@@ -203,7 +209,7 @@ def measure_coupling(
     candidates = candidates.nonzero().reshape(-1)
     if not len(candidates):
         return None
-    directions = _units(information, shared_ids[candidates])
+    directions = unit_vectors(information, shared_ids[candidates])
     directions[:, concentrated] = -ratios[:, candidates].T
     reduced = sum((directions * hessian_products(b, directions)).sum(1) for b in range(len(owned)))
     full = explained[candidates] + reduced
@@ -238,7 +244,7 @@ def _shifts_a_site_alike(ratios: torch.Tensor, sites: torch.Tensor) -> torch.Ten
     return torch.stack(alike).gather(0, dominant[None]).reshape(-1)
 
 
-def _units(like: torch.Tensor, coordinates: torch.Tensor) -> torch.Tensor:
+def unit_vectors(like: torch.Tensor, coordinates: torch.Tensor) -> torch.Tensor:
     """Unit vectors of ``coordinates``, shape ``(k, P)`` (``P`` the last size of ``like``)."""
     units = like.new_zeros(len(coordinates), like.shape[-1])
     units[torch.arange(len(coordinates)), coordinates] = 1.0

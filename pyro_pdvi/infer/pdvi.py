@@ -261,8 +261,8 @@ class PDVI(StepSizeUpkeep):
         # Blocks whose diagonal curvature was measured (at their first visit; the state_dict
         # key is still "bounded_blocks", as in checkpoints before the weighted rule).
         self._measured_blocks: set[int] = set()
-        # Each block's arguments at its first step, for the coupling's pass over every block
-        # (held until every block is measured).
+        # Each block's arguments at its first step, for the pass over every block once all are
+        # measured (the concentrated coordinates' confirmation and coupling; held until then).
         self._first_step_args: dict[int, tuple[tuple, dict]] = {}
         self._guard = RisingObjectiveGuard()
         self._stationarity = StationarityTest()

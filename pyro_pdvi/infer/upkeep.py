@@ -5,11 +5,14 @@ After every accepted step (never inside one, so a refused step changes nothing):
 * the blocks solved for the first time have their diagonal curvature measured, which bounds
   the step sizes of the natural rule and weighs the blocks in the global update's
   ``"weighted"`` rule (:mod:`~pyro_pdvi.infer.consensus`); once every block is measured, the
-  coordinates that about one block informs are coupled with the shared coordinates their
-  blocks' data tie them to (:mod:`~pyro_pdvi.infer.coupling`: the state moves to coordinates in
-  which an intercept and its groups' effects are preconditioned together), and a one-time
-  warning names their sites (there PD-VI can trail SVI early on: ``docs/benchmarks.md`` 13k-13m;
-  the generic solver solves the blocks that own them with more evaluations, 13m);
+  coordinates that about one block informs (less those that most blocks inform where their
+  owners are measured again at one ``lambda_0``:
+  :meth:`~pyro_pdvi.infer.consensus.ConsensusState.release_shared`) are coupled with the
+  shared coordinates their blocks' data tie them to (:mod:`~pyro_pdvi.infer.coupling`: the state
+  moves to coordinates in which an intercept and its groups' effects are preconditioned
+  together), and a one-time warning names their sites (there PD-VI can trail SVI early on:
+  ``docs/benchmarks.md`` 13k-13m; the generic solver solves the blocks that own them with more
+  evaluations, 13m);
 * under the natural rule (:mod:`~pyro_pdvi.infer.fisher`), once an epoch the guide's Fisher
   information is measured again at ``lambda_0`` (a step size follows it down at once, up by at
   most :data:`~pyro_pdvi.infer.step_sizes.FISHER_STEP_GROWTH` an epoch);
@@ -30,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import warn_user
-from .coupling import measure_coupling
+from .coupling import measure_coupling, unit_vectors
 from .fisher import fisher_diagonal
 from .safeguard import RISES
 from .solvers import GenericSolver
@@ -46,6 +49,45 @@ COUPLING_RELATIVE_STEP = 1e-2
 #: The first block's Hessian products by double backward are kept where they are within this
 #: relative distance of central differences of the gradient.
 SECOND_ORDER_TOLERANCE = 0.05
+
+
+class KeptBlockHessians:
+    """Every block's Hessian products in the globals at one point and noise, for a one-time pass
+    over the blocks: each block's products are made on first use and kept (one model evaluation
+    per block, then one backward pass per direction), and so is each unit column.
+
+    :param block_products: ``b -> (V -> V H_b)`` (``PDVI._block_hessian_products``).
+    :param like: a tensor whose last size is ``P`` and whose dtype and device the unit vectors take.
+    """
+
+    def __init__(
+        self, block_products: Callable[[int], Callable[[torch.Tensor], torch.Tensor]], like: torch.Tensor
+    ) -> None:
+        self._block_products = block_products
+        self._like = like
+        self._products: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._columns: dict[tuple[int, int], torch.Tensor] = {}
+
+    def products(self, b: int, directions: torch.Tensor) -> torch.Tensor:
+        """``V H_b`` for directions ``V`` of shape ``(k, P)``."""
+        if b not in self._products:
+            self._products[b] = self._block_products(b)
+        return self._products[b](directions)
+
+    def columns(self, b: int, coordinates: torch.Tensor) -> torch.Tensor:
+        """``H_b[J, :]`` for the coordinates ``J`` (``(k,)``), shape ``(k, P)``."""
+        wanted = coordinates.tolist()
+        missing = [j for j in wanted if (b, j) not in self._columns]
+        if missing:
+            found = self.products(b, unit_vectors(self._like, torch.tensor(missing)))
+            self._columns.update({(b, j): column for j, column in zip(missing, found)})
+        if not wanted:
+            return self._like.new_zeros(0, self._like.shape[-1])
+        return torch.stack([self._columns[(b, j)] for j in wanted])
+
+    def diagonal(self, b: int, coordinates: torch.Tensor) -> torch.Tensor:
+        """``H_b[j, j]`` for the coordinates ``J`` (``(k,)``)."""
+        return self.columns(b, coordinates).gather(1, coordinates.reshape(-1, 1).to(self._like.device))[:, 0]
 
 
 class StepSizeUpkeep:
@@ -136,18 +178,16 @@ class StepSizeUpkeep:
             curvature = diagonal_curvature(products, self._consensus_params, probes)
             measured[b] = torch.where(torch.isfinite(curvature), curvature, 0.0)
             self._measured_blocks.add(b)
-            if self._may_couple():
+            if not self._shares_steps:
                 self._first_step_args[b] = (args, kwargs)
         # Each process measured its own new blocks: the sum over processes gives every row.
         measured = self._all_reduce(measured)
         ids = measured.sum(1).nonzero().reshape(-1)
         found_before = bool(self._state.concentrated.any())
         self._state.set_information(ids, measured[ids])
-        self._find_owners_of_concentrated()
         if not found_before and bool(self._state.concentrated.any()):
-            self._couple(args, kwargs)
-            if self.concentrated_sites:
-                self._warn_of_concentrated_coordinates()
+            self._pass_over_every_block(args, kwargs)
+        self._find_owners_of_concentrated()
         if len(self._measured_blocks) == len(self.partition):
             self._first_step_args.clear()
         if not self._step_sizes.natural or not len(ids):
@@ -196,16 +236,48 @@ class StepSizeUpkeep:
             "PDVI.concentrated_sites lists these sites.",
         )
 
+    def _pass_over_every_block(self, args: tuple, kwargs: dict) -> None:
+        """Once every block is measured and some coordinates look concentrated: measure their
+        owners again at the one ``lambda_0`` of now and release those that most blocks inform
+        there (:meth:`ConsensusState.release_shared`; not where processes share the steps, each
+        of which holds its own blocks' arguments only), couple those that remain
+        (:meth:`_couple`), and warn of them once.
+
+        Both take every block's Hessian products at that point and noise, each block's graph
+        built once and kept until the pass ends (on the suite's random-effects model half of the
+        coupling's cost was a second model call per block), and each unit column once: the
+        coupling's first pass reads the confirmation's. Once per run, then, the graphs of every
+        block (the whole data's, double-backward buffers included) are held at once."""
+        seed = self._side_seed(-3)
+
+        def block_products(b: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            # The block's own step arguments (data a model takes per step are the block's); this
+            # step's where they are not kept (a run resumed within its first epoch).
+            block_args, block_kwargs = self._first_step_args.get(b, (args, kwargs))
+            return self._block_hessian_products(b, block_args, block_kwargs, seed + b, COUPLING_RELATIVE_STEP)
+
+        hessians = KeptBlockHessians(block_products, self._state.information)
+        # Evaluations at signatures that need not recur (this step's arguments for blocks not
+        # kept in _first_step_args) are not recorded.
+        graphs = self._objective.graphs
+        with graphs.one_off() if graphs is not None else contextlib.nullcontext():
+            if not self._shares_steps:
+                self._state.release_shared(hessians.diagonal, self._not_held(self._state.concentrated))
+            if bool(self._state.concentrated.any()):
+                self._couple(hessians)
+        if self.concentrated_sites:
+            self._warn_of_concentrated_coordinates()
+
     def _may_couple(self) -> bool:
         """Whether concentrated coordinates would be coupled once found (:meth:`_couple`)."""
         return self.couple_concentrated and not self._shares_steps and isinstance(self.solver, GenericSolver)
 
-    def _couple(self, args: tuple, kwargs: dict) -> None:
+    def _couple(self, hessians: KeptBlockHessians) -> None:
         """Couple the concentrated coordinates with the shared ones that their blocks' data tie
         them to and carry the state into the coupled coordinates (:mod:`~pyro_pdvi.infer.coupling`),
-        measured at ``lambda_0`` and every block's rows, each block with the arguments of its
-        first step. Only for the generic solver in one process (a closed-form solver works in the
-        params' coordinates), and only coordinates under the natural rule."""
+        measured from ``hessians`` (every block's rows at one ``lambda_0``). Only for the generic
+        solver in one process (a closed-form solver works in the params' coordinates), and only
+        coordinates under the natural rule."""
         if not self._may_couple():
             return
         state = self._state
@@ -217,32 +289,12 @@ class StepSizeUpkeep:
         owner = state.information.argmax(0)
         owned = [(concentrated & (owner == b)).nonzero().reshape(-1) for b in range(len(self.partition))]
         shared = ~state.concentrated & eligible & (state.information_total > 0)
-        seed = self._side_seed(-3)
-        # Both passes of the measurement take a block's products at the same point and noise:
-        # each block's graph is built once and kept until the measurement ends (on the suite's
-        # random-effects model half of the measurement's cost was the second pass's model calls).
-        # Once per run, then, the graphs of every block (the whole data's, double-backward
-        # buffers included) are held at once, where one block's was before.
-        block_products: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
-
-        def hessian_products(b: int, directions: torch.Tensor) -> torch.Tensor:
-            if b not in block_products:
-                # The block's own step arguments (data a model takes per step are the block's);
-                # this step's where they are not kept (a run resumed within its first epoch).
-                block_args, block_kwargs = self._first_step_args.get(b, (args, kwargs))
-                block_products[b] = self._block_hessian_products(
-                    b, block_args, block_kwargs, seed + b, COUPLING_RELATIVE_STEP
-                )
-            return block_products[b](directions)
-
         sites = torch.empty(state.consensus.numel(), dtype=torch.long, device=state.consensus.device)
         for number, span in enumerate(self.layout.slices.values()):
             sites[span] = number
-        # Evaluations at signatures that need not recur (this step's arguments for blocks not
-        # kept in _first_step_args) are not recorded.
-        graphs = self._objective.graphs
-        with graphs.one_off() if graphs is not None else contextlib.nullcontext():
-            coupling = measure_coupling(hessian_products, owned, shared, state.information, sites)
+        coupling = measure_coupling(
+            hessians.products, owned, shared, state.information, sites, owner_columns=hessians.columns
+        )
         if coupling is None:
             return
         self._coupling = coupling.to(state.consensus)

@@ -335,9 +335,10 @@ def test_a_resumed_coupled_run_continues_as_the_uninterrupted_one():
 
 
 def test_the_measurement_evaluates_each_blocks_model_once(monkeypatch):
-    """Both passes of :func:`measure_coupling` take a block's Hessian products at the same point
-    and noise, so each block's graph is built once and serves both (on the suite's random-effects
-    model the second pass's model calls were a third of the first epoch's last step)."""
+    """The confirmation of the concentrated coordinates and both passes of
+    :func:`measure_coupling` take a block's Hessian products at the same point and noise, so each
+    block's graph is built once and serves all three (on the suite's random-effects model the
+    second pass's model calls were a third of the first epoch's last step)."""
     model, blocks, _ = intercepts_and_slopes()
     calls = {"model": 0, "during": None}
 
@@ -345,14 +346,14 @@ def test_the_measurement_evaluates_each_blocks_model_once(monkeypatch):
         calls["model"] += 1
         return model(idx)
 
-    measure = PDVI._couple
+    measure = PDVI._pass_over_every_block
 
     def couple(self, args, kwargs):
         before = calls["model"]
         measure(self, args, kwargs)
         calls["during"] = calls["model"] - before
 
-    monkeypatch.setattr(PDVI, "_couple", couple)
+    monkeypatch.setattr(PDVI, "_pass_over_every_block", couple)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     # Through Pyro every time: a replayed graph (graph_replay) does not call the model.
