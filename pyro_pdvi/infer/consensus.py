@@ -198,6 +198,23 @@ class ConsensusState:
         self._count_informing_blocks()
         return released
 
+    def estimate(self) -> torch.Tensor:
+        """``x_j = sum_b c_bj lambda_bj / sum_b c_bj + h_j``: the measured blocks' copies weighted
+        by their information, plus ``h``; ``lambda_0`` where no block is measured to inform ``j``.
+
+        Each copy ``lambda_b`` solves its block's augmented Lagrangian, so ``grad f_b(lambda_b) =
+        -mu_b``; the minimiser of the blocks' quadratic models ``f_b(lambda_b) - mu_b (x -
+        lambda_b) + 1/2 c_b (x - lambda_b)^2`` is ``sum_b c_b lambda_b / C + sum_b mu_b / C``
+        (``C = sum_b c_b``), and the second term is ``h`` where ``eta = n / C`` (the natural rule's
+        step size). At the fixed point every copy is ``lambda_0`` and ``mean(mu) = 0``: ``x =
+        lambda_0``. Off it, ``x`` averages the blocks that ``lambda_0``'s global update follows
+        one step at a time, so it carries less of the last block's pull (``docs/benchmarks.md``
+        13t). ``O(nP)``.
+        """
+        total = self.information_total
+        weighted = (self.information * self.copies).sum(0) / total.clamp(min=torch.finfo(total.dtype).tiny)
+        return torch.where(total > 0, weighted + self.h, self.consensus)
+
     def owners(self, coordinates: torch.Tensor) -> torch.Tensor:
         """Which blocks inform some of ``coordinates`` (a boolean mask) most, ``(n,)``, on the CPU."""
         owners = torch.zeros(self.num_blocks, dtype=torch.bool)

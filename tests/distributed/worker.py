@@ -52,7 +52,7 @@ class Hierarchical:
 
 
 def make(cls, problem, **kwargs):
-    return cls(
+    pdvi = cls(
         problem.model,
         problem.guide,
         pyro.optim.Adam({"lr": 0.05}),
@@ -61,6 +61,10 @@ def make(cls, problem, **kwargs):
         solver=GenericSolver(inner_steps=10),
         **kwargs,
     )
+    # Across processes the param store holds lambda_0 (each process holds its own blocks' copies
+    # only); the one-process reference does the same.
+    pdvi.estimate_after_epochs = None
+    return pdvi
 
 
 def main():
