@@ -168,8 +168,8 @@ class ConsensusState:
         point, about a ``scale`` one 22x and 13x; measured again, 2.6-3.5 of the 4 blocks inform
         them. Only so clear a case is released: on the suite's random-effects model (30 blocks,
         one per group) 11 and 22 group effects of two seeds of four had 2.0-5.1 informing
-        blocks at the common point, and releasing them left the means 1.3-2.6x further from the
-        optimum after 20 CPU s (``docs/benchmarks.md`` 13t).
+        blocks at the common point, and releasing them left the means' rms error (four seeds) 1.5x
+        and 1.7x larger after 20 CPU s in two pinned pairs (``docs/benchmarks.md`` 13t).
 
         :param diagonal: ``(b, J) -> c_bJ``, block ``b``'s diagonal curvature at the coordinates
             ``J`` (``(k,)``), at one ``lambda_0`` for every block. A value that is not finite
