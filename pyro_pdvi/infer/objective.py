@@ -22,6 +22,7 @@ param store, by one of two kernels that compute the same thing:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -107,6 +108,11 @@ class BlockObjective:
         self.row_names = frozenset(s.name for s in local_sites)
         self.networks = networks_of(model, guide)
         self.graphs = GraphReplay(recurring=num_blocks) if graph_replay else None
+
+    def one_off(self) -> contextlib.AbstractContextManager:
+        """Evaluations inside are not recorded for replay (:meth:`GraphReplay.one_off`); nothing
+        where graphs are not replayed."""
+        return self.graphs.one_off() if self.graphs is not None else contextlib.nullcontext()
 
     def bind(self, indices: torch.Tensor, seeds: Sequence[int], args: tuple, kwargs: dict) -> BlockLosses:
         """The objective of the blocks with data ``indices`` (``(m, s)``) at the noise of

@@ -23,7 +23,6 @@ over groups of sites (:mod:`~pyro_pdvi.infer.step_sizes`).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -363,10 +362,9 @@ class PDVI(StepSizeUpkeep):
         particles PDVI chose, the solves use the user's ELBO as it is."""
         first = self.partition.stacked(torch.tensor([0]), self.device)
         rows = self._params.rows(first)
-        graphs = self._objective.graphs
         # Through Pyro, not recorded: the ELBO's set-up runs in it, and a graph must hold only
         # what every evaluation does.
-        with graphs.one_off() if graphs is not None else contextlib.nullcontext():
+        with self._objective.one_off():
             try:
                 self._objective.bind(first, [0], args, kwargs)(self._copies(self._state.consensus, 1), rows)
             except Exception as error:
@@ -516,15 +514,32 @@ class PDVI(StepSizeUpkeep):
         consensus = self._state.consensus
         return consensus if self._coupling is None else self._coupling.inverse(consensus)
 
-    #: The param store holds the estimate of :meth:`ConsensusState.estimate` (the blocks' copies
-    #: weighted by their measured information, plus ``h``) once this many epochs have passed, and
-    #: ``lambda_0`` before; ``None``: ``lambda_0`` throughout. The iteration is the same either way.
-    #: Measured on the issue-13 suite (``docs/benchmarks.md`` 13t, four seeds, the same steps, so
-    #: per epoch): from the end of the second epoch on, the estimate's ELBO gap was 0.33-0.95x
-    #: ``lambda_0``'s (geometric mean over the epochs) on all six models and its means 0.51-1.00x,
-    #: but for the scale regression's 1.02x; during the second epoch the first epoch's copies,
-    #: made far from the optimum, left the logistic regression's means 1.1-1.45x further.
-    estimate_after_epochs: float | None = 2
+    _estimate_after_epochs: float | None = 2
+
+    @property
+    def estimate_after_epochs(self) -> float | None:
+        """The param store holds the estimate of :meth:`ConsensusState.estimate` (the blocks'
+        copies weighted by their measured information, plus ``h``) once this many epochs have
+        passed (default 2), and ``lambda_0`` before; ``None``: ``lambda_0`` throughout. The
+        iteration is the same either way. Measured on the issue-13 suite (``docs/benchmarks.md``
+        13t, four seeds, the same steps, so per epoch): from the end of the second epoch on, the
+        estimate's ELBO gap was 0.33-0.95x ``lambda_0``'s (geometric mean over the epochs) on all
+        six models and its means 0.51-1.00x, but for the scale regression's 1.02x; during the
+        second epoch the first epoch's copies, made far from the optimum, left the logistic
+        regression's means 1.1-1.45x further."""
+        return self._estimate_after_epochs
+
+    @estimate_after_epochs.setter
+    def estimate_after_epochs(self, epochs: float | None) -> None:
+        number = isinstance(epochs, (int, float)) and not isinstance(epochs, bool)
+        if epochs is not None and not (number and 0 <= epochs < float("inf")):
+            raise ValueError(
+                f"Invalid estimate_after_epochs: {epochs!r}; use a non-negative number of epochs, or "
+                "None to keep lambda_0 in the param store"
+            )
+        self._estimate_after_epochs = epochs
+        if self._state is not None:
+            self._write_consensus()
 
     def _write_consensus(self) -> None:
         """Write ``lambda_0``, or the estimate (``estimate_after_epochs``), into the param store."""
@@ -748,7 +763,8 @@ class PDVI(StepSizeUpkeep):
         state.apply(update)
         self.num_steps += 1
         self._block_visits += int(num_blocks)
-        self._write_consensus()
+        if self._scales is None:  # else _update_scales writes, once the scales are set
+            self._write_consensus()
         for indices, local in solved.parts:
             self._params.write_rows(indices, local)
         moves = solved.copies - old_consensus

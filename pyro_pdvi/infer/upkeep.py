@@ -27,7 +27,6 @@ A change of step sizes moves ``lambda_0`` with ``h = H mean(mu)`` and keeps the 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -259,8 +258,7 @@ class StepSizeUpkeep:
         hessians = KeptBlockHessians(block_products, self._state.information)
         # Evaluations at signatures that need not recur (this step's arguments for blocks not
         # kept in _first_step_args) are not recorded.
-        graphs = self._objective.graphs
-        with graphs.one_off() if graphs is not None else contextlib.nullcontext():
+        with self._objective.one_off():
             if not self._shares_steps:
                 self._state.release_shared(hessians.diagonal, self._not_held(self._state.concentrated))
             if bool(self._state.concentrated.any()):

@@ -1,5 +1,6 @@
 import pyro
 import pyro.distributions as dist
+import pytest
 import torch
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
@@ -78,3 +79,28 @@ def test_the_param_store_holds_lambda_0_for_two_epochs_and_then_the_estimate():
                 errors["store"] += float((stored - mean).norm())
                 errors["lambda_0"] += float((iterate - mean).norm())
     assert errors["store"] < errors["lambda_0"]
+
+
+@pytest.mark.parametrize("epochs", [-1, float("nan"), "2", True])
+def test_an_invalid_estimate_after_epochs_is_refused_naming_it(epochs):
+    model, blocks, _ = _sorted_regression()
+    pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), Trace_ELBO(), blocks=blocks)
+    with pytest.raises(ValueError, match="estimate_after_epochs"):
+        pdvi.estimate_after_epochs = epochs
+    assert pdvi.estimate_after_epochs == 2
+
+
+def test_setting_estimate_after_epochs_rewrites_the_param_store():
+    """Switched off after three epochs, the store holds ``lambda_0`` at once; on again, the estimate."""
+    model, blocks, _ = _sorted_regression()
+    pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), Trace_ELBO(), blocks=blocks)
+    for _ in range(3):
+        for block in blocks:
+            pdvi.step(block)
+    stored, iterate = _locations(pdvi)
+    assert not torch.equal(stored, iterate)
+    pdvi.estimate_after_epochs = None
+    stored, iterate = _locations(pdvi)
+    assert torch.equal(stored, iterate)
+    pdvi.estimate_after_epochs = 0
+    assert not torch.equal(_locations(pdvi)[0], iterate)
