@@ -34,6 +34,7 @@ import torch
 from ..errors import warn_user
 from .coupling import measure_coupling, unit_vectors
 from .fisher import fisher_diagonal
+from .hessian_products import hessian_products
 from .safeguard import RISES
 from .solvers import GenericSolver
 from .step_sizes import diagonal_curvature
@@ -305,8 +306,10 @@ class StepSizeUpkeep:
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """``V -> V H_b``, block ``b``'s Hessian in the globals at ``lambda_0`` times each row of
         ``V`` (``(k, P)``), at the noise of ``seed`` and the block's rows: by double backward
-        through one evaluation, made on the first call and kept by the returned function (each
-        product costs a backward pass, not a model call; drop the function to free the graph), or where
+        through one evaluation, made on the first call and kept by the returned function (a call
+        costs one batched backward pass, not a model call:
+        :func:`~pyro_pdvi.infer.hessian_products.hessian_products`; drop the function to free the
+        graph), or where
         the model's graph has no second derivative by central differences of the gradient, their
         step ``relative_step`` times ``1 + max|lambda_0|`` (default ``sqrt(eps)``)."""
         indices = self.partition.stacked(torch.tensor([b]), self.device)
@@ -326,16 +329,7 @@ class StepSizeUpkeep:
             if not graph:
                 graph.extend(gradient_at(consensus, create_graph=True))
             point, gradient = graph
-            if not gradient.requires_grad:  # linear in the globals
-                return torch.zeros_like(directions)
-            products = []
-            for v in directions:
-                # A scalar output: an explicit grad_outputs tensor makes torch import sympy.
-                (product,) = torch.autograd.grad(
-                    (gradient * v).sum(), point, retain_graph=True, allow_unused=True
-                )
-                products.append(torch.zeros_like(v) if product is None else product)
-            return torch.stack(products).detach()
+            return hessian_products(gradient, point, directions)
 
         def by_differences(directions: torch.Tensor) -> torch.Tensor:
             step = (relative_step or float(torch.finfo(consensus.dtype).eps) ** 0.5) * (
