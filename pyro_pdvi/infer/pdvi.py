@@ -423,11 +423,7 @@ class PDVI(StepSizeUpkeep):
                     "one) that no location uses; use scale_update='primal_dual'"
                 )
             return None
-        # Processes that share the steps hold their own blocks' h_b only: no extrapolation there.
-        shares = (
-            None if self._shares_steps else self.partition.sizes.to(torch.float64) / self.partition.num_data
-        )
-        return ScaleFixedPoint(maps, len(self.partition), point, shares)
+        return ScaleFixedPoint(maps, len(self.partition), point)
 
     def _copies(self, flat: torch.Tensor, num_blocks: int, requires_grad: bool = True) -> dict:
         """``lambda`` (a flat vector) as every global site's value for ``num_blocks`` blocks."""

@@ -14,8 +14,7 @@ gradient at the block's solution, which the :class:`~pyro_pdvi.infer.solvers.Gen
 on from its last accepted evaluation: no extra model call) and averaged over its visits with
 weights growing linearly (``2 / (k + 1)`` for the ``k``-th visit: the Monte Carlo noise averages
 out while the bias of early visits fades as ``1 / k^2``), and
-sets every such scale to ``(sum_b h_bi)^(-1/2)`` after each step (within the first epoch, from its
-third block on, with the blocks not yet seen extrapolated: :meth:`ScaleFixedPoint.scales_at`).
+sets every such scale to ``(sum_b h_bi)^(-1/2)`` after each step once every block has been seen.
 The solves hold these coordinates at ``lambda_0`` (no copy, no dual moves them): the primal-dual
 iteration runs on the locations and the other params. This is the variance-reduced
 stored-gradient idea of SAG [3] applied to the scales' natural parameters (precisions, which add
@@ -59,10 +58,6 @@ from .sites import DataPlate, GlobalLayout
 
 #: Relative tolerance of the checks that a scale is ``T(u_j)``.
 MAP_TOLERANCE = 1e-5
-
-#: Within the first epoch the scales move once this many blocks have been seen (every block's
-#: share extrapolated from theirs: :meth:`ScaleFixedPoint.scales_at`).
-EARLY_BLOCKS = 3
 
 
 class ScaleMap(NamedTuple):
@@ -228,19 +223,10 @@ class ScaleFixedPoint:
     :param maps: the scale maps (:func:`find_scale_maps`).
     :param num_blocks: n.
     :param point: ``lambda_0``, flat, for the dtype and device.
-    :param shares: each block's ``s_b = |b| / N``, ``(n,)``, to extrapolate the blocks not yet
-        seen within the first epoch (:meth:`scales_at`); ``None``: the scales stay where they
-        are until every block has been seen (where processes share the steps, each holds only
-        its own blocks' ``h_b``).
     """
 
-    def __init__(
-        self, maps: list[ScaleMap], num_blocks: int, point: torch.Tensor, shares: torch.Tensor | None = None
-    ) -> None:
+    def __init__(self, maps: list[ScaleMap], num_blocks: int, point: torch.Tensor) -> None:
         self.maps = maps
-        self.shares = None if shares is None else shares.to(point.device, torch.float64)
-        # Whether every block has been seen (read on the host in the first epoch only).
-        self._every_block_seen = False
         self.coordinates = torch.cat([m.coordinates for m in maps]).to(point.device)
         size = len(self.coordinates)
         self.information = point.new_zeros(num_blocks, size, dtype=torch.float64)
@@ -308,53 +294,19 @@ class ScaleFixedPoint:
 
     def scales_at(self, point: torch.Tensor) -> torch.Tensor:
         """The coordinates' values at the fixed point ``sigma_i = (sum_b h_bi)^(-1/2)``, shape
-        ``(K,)``, in ``point``'s dtype; their values in ``point`` where the precision is not
-        positive.
-
-        Before every block has been seen (with ``shares``; else the values in ``point`` until
-        then), once :data:`EARLY_BLOCKS` have been, the blocks not yet seen count with their
-        shares of the median rate ``h_bi / s_b`` of those seen: ``sum_{b seen} h_bi + (sum_{b not
-        seen} s_b) median_{b seen} h_bi / s_b``, but never below the precision the scale has: within
-        the first epoch a scale only narrows. The median counts a coordinate that one block
-        informs (a group's effect) at its prior's share in the others, and a coordinate that every
-        block informs at their typical rate; the floor keeps a group's effect whose block has not
-        been seen at its start, where the extrapolation would widen it to its prior's sd (up to
-        44x the optimum's on the suite's random-effects model).
-
-        Why: the scales otherwise stay at their start through the first epoch. On the generic
-        suite's random-effects model that is about 3 CPU s, over which the hyper-scales' sds were
-        30x further from the optimum's than the best SVI's at 2.5 s (``docs/benchmarks.md`` 13u).
-        The extrapolation reads a single process's blocks and reads one count on the host at
-        each step of the first epoch.
-        """
+        ``(K,)``, in ``point``'s dtype: their values in ``point`` until every block has been seen,
+        and where the precision is not positive."""
         u = point.detach().to(torch.float64)[self.coordinates]
-        total = self.total
         ready = self.num_seen >= len(self.visits)
-        if self.shares is not None and not self._every_block_seen:
-            self._every_block_seen = bool(ready)
-            if not self._every_block_seen:
-                total, ready = self._extrapolated(u)
-        positive = total > 0
+        positive = self.total > 0
         self.non_positive = torch.where(ready, (~positive).sum(), 0)
-        target = torch.where(positive, total, 1.0).rsqrt()
+        target = torch.where(positive, self.total, 1.0).rsqrt()
         values, start = [], 0
         for m in self.maps:
             part = slice(start, start + len(m.coordinates))
             values.append(m.transform.inv(target[part]))
             start += len(m.coordinates)
         return torch.where(ready & positive, torch.cat(values), u).to(point.dtype)
-
-    def _extrapolated(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``sum_b h_bi`` with the blocks not yet seen extrapolated (:meth:`scales_at`), never
-        below the precision of the scales at ``u`` (float64), and whether enough blocks have been
-        seen for it."""
-        seen = self.visits > 0
-        rates = torch.where(seen[:, None], self.information / self.shares[:, None], torch.nan)
-        median = rates.nanmedian(0).values
-        unseen = torch.where(seen, 0.0, self.shares).sum()
-        enough = self.num_seen >= min(EARLY_BLOCKS, len(self.visits))
-        now = self._scales(u)[0].pow(-2)
-        return torch.maximum(self.total + unseen * median.nan_to_num(0.0), now), enough
 
     def state_dict(self) -> dict:
         return {

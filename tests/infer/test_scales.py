@@ -9,14 +9,11 @@ import torch
 from pyro.distributions import constraints
 from pyro.infer import TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoNormal
-from torch.distributions.transforms import ExpTransform
 
 from pyro_pdvi import PDVI, GenericSolver
 from pyro_pdvi.infer.params import ParamStoreView
-from pyro_pdvi.infer.scales import ScaleFixedPoint, ScaleMap, find_scale_maps
+from pyro_pdvi.infer.scales import find_scale_maps
 from pyro_pdvi.infer.sites import GlobalLayout, find_sites
-
-from ..toy_models import intercepts_and_slopes
 
 NUM_DATA = 12
 DIM = 3
@@ -303,60 +300,3 @@ def test_the_fixed_point_costs_no_model_call_beyond_the_solve():
         _epochs(pdvi, 1)
         per_step[update] = len(calls) / len(BLOCKS)
     assert per_step["fixed_point"] == per_step["primal_dual"]
-
-
-def test_first_epoch_scales_extrapolate_the_unseen_blocks_from_the_third_block_on():
-    """Before every block is seen, from the third block on, a scale's precision is the seen blocks'
-    ``h_b`` plus the unseen blocks' shares of the median rate ``h_b / s_b`` of the seen ones, but
-    never below the precision it has; without shares (processes that share steps) the scales
-    stay where they are until every block is seen."""
-    maps = [ScaleMap("z", "z_log_scale", torch.arange(3), ExpTransform())]
-    shares = torch.tensor([0.1, 0.2, 0.3, 0.2, 0.2], dtype=torch.float64)
-    point = torch.zeros(6, dtype=torch.float64)  # every sd 1: precision 1
-    fixed = ScaleFixedPoint(maps, num_blocks=5, point=point, shares=shares)
-    held = ScaleFixedPoint(maps, num_blocks=5, point=point)
-    # Coordinate 0 informed by every block at rate 10 per share; 1 by block 1 alone (prior rate
-    # 0.5 elsewhere); 2 weakly (rate 0.2 per share: less than its precision 1 in all).
-    information = torch.tensor(
-        [[1.0, 0.05, 0.02], [2.0, 40.0, 0.04], [3.0, 0.15, 0.03], [2.0, 0.1, 0.04], [2.0, 0.1, 0.04]],
-        dtype=torch.float64,
-    )
-    for b in range(2):
-        for f in (fixed, held):
-            f.add(*f.record(torch.tensor([b]), information[b : b + 1]))
-    assert torch.equal(fixed.scales_at(point), point[:3])  # two blocks seen: held
-    for f in (fixed, held):
-        f.add(*f.record(torch.tensor([2]), information[2:3]))
-    seen = information[:3]
-    rate = (seen / shares[:3, None]).median(0).values
-    extrapolated = seen.sum(0) + shares[3:].sum() * rate
-    expected = torch.maximum(extrapolated, torch.ones(3, dtype=torch.float64))
-    assert torch.allclose(fixed.scales_at(point), -0.5 * expected.log(), rtol=1e-12)
-    # Coordinate 0: 6 + 0.4 * 10; coordinate 1: 40.2 + 0.4 * 0.5; coordinate 2: 0.09 + 0.4 * 0.2 < 1.
-    assert torch.allclose(expected, torch.tensor([10.0, 40.4, 1.0], dtype=torch.float64))
-    assert torch.equal(held.scales_at(point), point[:3])
-    for b in (3, 4):
-        for f in (fixed, held):
-            f.add(*f.record(torch.tensor([b]), information[b : b + 1]))
-    # Every block seen: the fixed point itself, below the start's precision too.
-    for f in (fixed, held):
-        assert torch.allclose(f.scales_at(point), -0.5 * information.sum(0).log(), rtol=1e-12)
-
-
-def test_pdvi_narrows_the_shared_scales_from_the_third_block_and_keeps_unseen_groups():
-    """One block per group: after two blocks the scales are at their start, after the third the
-    intercept's sd (every block informs it) is narrower, and the effects of the groups not yet
-    seen keep their start (their own block, which alone informs them, is still to come)."""
-    model, blocks, _ = intercepts_and_slopes()
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    pdvi = PDVI(
-        model, AutoNormal(model, init_scale=0.5), pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=blocks
-    )
-    for block in blocks[:2]:
-        pdvi.step(block)
-    assert float(pyro.param("AutoNormal.scales.alpha")) == pytest.approx(0.5, rel=1e-6)
-    pdvi.step(blocks[2])
-    assert float(pyro.param("AutoNormal.scales.alpha")) < 0.1
-    unseen = pyro.param("AutoNormal.scales.a").detach()[3:]
-    assert torch.allclose(unseen, torch.full_like(unseen, 0.5), rtol=1e-6)
