@@ -5,12 +5,13 @@
 torch batches them in one pass (``torch.autograd.grad(..., is_grads_batched=True)``, which runs
 the backward engine under the legacy ``vmap``), but its public entry point checks the shapes of
 explicit ``grad_outputs`` with ``torch.fx.experimental.symbolic_shapes``, whose first import
-pulls in sympy: 0.36-0.6 CPU s once per process (measured with torch 2.13 on this project's
-2-core machines), more than a whole pass over the blocks. :func:`hessian_products` calls the same
-batched backward without that check, through two private torch functions
-(``torch._vmap_internals._vmap`` and ``torch.autograd.graph._engine_run_backward``), and falls
-back to one backward pass per direction (each with a scalar output, which imports nothing) where
-those functions are missing or refuse the graph.
+pulls in sympy: 0.36-0.73 CPU s once per process (measured with torch 2.13 on this project's
+2-core machines), about what batching saves on the suite's random-effects model.
+:func:`hessian_products` calls the same batched backward without that check, through two private
+torch functions (``torch._vmap_internals._vmap`` and
+``torch.autograd.graph._engine_run_backward``), and falls back to one backward pass per direction
+(each with a scalar output, which imports nothing) where those functions are missing or refuse
+the graph.
 
 Why: the pass over every block at the end of the first epoch
 (:meth:`~pyro_pdvi.infer.upkeep.StepSizeUpkeep._pass_over_every_block`) takes some 250 products

@@ -309,9 +309,8 @@ class StepSizeUpkeep:
         through one evaluation, made on the first call and kept by the returned function (a call
         costs one batched backward pass, not a model call:
         :func:`~pyro_pdvi.infer.hessian_products.hessian_products`; drop the function to free the
-        graph), or where
-        the model's graph has no second derivative by central differences of the gradient, their
-        step ``relative_step`` times ``1 + max|lambda_0|`` (default ``sqrt(eps)``)."""
+        graph), or where the model's graph has no second derivative by central differences of the
+        gradient, their step ``relative_step`` times ``1 + max|lambda_0|`` (default ``sqrt(eps)``)."""
         indices = self.partition.stacked(torch.tensor([b]), self.device)
         losses = self._objective.bind(indices, [seed], args, kwargs)
         rows = self._params.rows(indices)
