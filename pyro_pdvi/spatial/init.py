@@ -220,7 +220,9 @@ def mixture_labels(
     :param num_iterations: maximum EM iterations per run.
     :param tol: EM stops when the mean log-likelihood gains less (as scikit-learn's).
     :param seed: seed of a private generator (the global one is untouched).
-    :returns: ``(N,)`` labels in ``range(K)``.
+    :returns: ``(N,)`` labels in ``range(K)``, numbered in the order of each label's first spot
+        (so that one partition gets the same labels on every device: on a GPU the restarts'
+        rounding can pick another restart of the same optimum, its labels permuted).
     """
     generator = torch.Generator().manual_seed(seed)
     sample = _subsample(data, sample_size, generator)
@@ -236,7 +238,18 @@ def mixture_labels(
     if sample is not data:
         labels = best.log_joint(data).argmax(-1)
         best, _ = _expectation_maximisation(data, labels, num_clusters, num_iterations, tol)
-    return best.log_joint(data).argmax(-1)
+    return _numbered_by_first_spot(best.log_joint(data).argmax(-1), num_clusters)
+
+
+def _numbered_by_first_spot(labels: torch.Tensor, num_labels: int) -> torch.Tensor:
+    """The same partition, its labels renumbered in the order of their first spot (labels no
+    spot carries come last, in their old order)."""
+    spots = torch.arange(len(labels), device=labels.device)
+    first = torch.full((num_labels,), len(labels), dtype=torch.long, device=labels.device)
+    first = first.scatter_reduce(0, labels, spots, reduce="amin")
+    new_label = torch.empty_like(first)
+    new_label[first.argsort(stable=True)] = torch.arange(num_labels, device=labels.device)
+    return new_label[labels]
 
 
 def pseudo_likelihood_weight(

@@ -68,6 +68,15 @@ def test_mixture_labels_recover_separated_domains_of_unequal_size(sample_size):
     labels = mixture_labels(data, 4, sample_size=sample_size)
     assert adjusted_rand_index(truth, labels) == 1.0
     assert torch.equal(labels, mixture_labels(data, 4, sample_size=sample_size))  # seeded
+    # Numbered by first spot: the same labels whichever restart won, on every device.
+    assert torch.equal(labels.unique_consecutive(), torch.arange(4))
+
+
+def test_labels_are_numbered_by_their_first_spot():
+    from pyro_pdvi.spatial.init import _numbered_by_first_spot
+
+    labels = torch.tensor([2, 2, 0, 3, 0, 2])  # label 1 is carried by no spot: it comes last
+    assert torch.equal(_numbered_by_first_spot(labels, 4), torch.tensor([0, 0, 1, 2, 1, 0]))
 
 
 def pseudo_log_likelihood(beta, counts, own):
