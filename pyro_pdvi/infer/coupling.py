@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .problem import SiteViews
+
 if TYPE_CHECKING:
     from .objective import BlockLosses
     from .sites import GlobalLayout
@@ -268,7 +270,10 @@ class CoupledLosses:
     def __call__(
         self, copies: dict[str, torch.Tensor], rows: dict[str, torch.Tensor], vectorize: bool = False
     ) -> torch.Tensor:
-        flat = self.layout.flatten(copies, batch_dims=1)
+        if isinstance(copies, SiteViews) and list(copies) == list(self.layout.slices):
+            flat = copies.flat  # the solver's flat copies, in the layout's order: no concatenation
+        else:
+            flat = self.layout.flatten(copies, batch_dims=1)
         return self.losses(self.layout.unflatten(self.coupling.inverse(flat)), rows, vectorize)
 
     def select(self, i: int) -> CoupledLosses:

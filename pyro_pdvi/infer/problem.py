@@ -123,6 +123,86 @@ class BlockProblem:
                 copies[k].copy_(torch.where(mask, self.consensus[k], copies[k]))
 
 
+class SiteViews(dict):
+    """Per-site views of one flat tensor ``(m, P)`` of global copies, which they keep
+    (:attr:`flat`): a consumer that needs the flat form (the coupling's map,
+    :class:`~pyro_pdvi.infer.coupling.CoupledLosses`) takes it instead of concatenating the views
+    again.
+
+    :param flat: the copies, ``(m, P)``, sites in the order of the views.
+    :param views: ``{site: (m, *site_shape)}`` views of ``flat``.
+    """
+
+    def __init__(self, flat: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
+        super().__init__(views)
+        self.flat = flat
+
+
+class WhitenedGlobals:
+    """A problem's global copies in the flat whitened coordinates of a solve,
+    ``lambda_b = lambda_0 + sqrt(eta) z_b`` with the held coordinates at ``lambda_0``, and the
+    penalty ``<mu_b, lambda_b - lambda_0> + 1/2 ||lambda_b - lambda_0||^2_D``, which in ``z_b`` is
+    ``<sqrt(eta) mu_b, z_b> + 1/2 ||z_b||^2``: the same values as
+    :meth:`BlockProblem.whitened_copies` and :meth:`BlockProblem.penalty`, in a few operations on
+    ``(m, P)`` tensors instead of several per site. An L-BFGS solve evaluates them, forward and
+    backward, at every evaluation: with a dozen sites the per-site form took as many operations as
+    the model's own graph (the suite's random-effects model, ``docs/benchmarks.md`` 14b).
+
+    :param problem: the step's subproblems.
+    """
+
+    def __init__(self, problem: BlockProblem) -> None:
+        num_blocks = len(problem)
+        self.shapes = {k: v.shape for k, v in problem.consensus.items()}
+        self.sizes = [shape.numel() for shape in self.shapes.values()]
+
+        like = next(iter({**problem.consensus, **problem.local}.values()))
+
+        def flat(values: dict[str, torch.Tensor]) -> torch.Tensor:
+            parts = [torch.broadcast_to(values[k], shape).reshape(-1) for k, shape in self.shapes.items()]
+            return torch.cat(parts) if parts else like.new_zeros(0)
+
+        self.consensus = flat(problem.consensus).detach()
+        root_eta = flat(problem.step_sizes).detach().sqrt()
+        #: ``1`` where the solve moves a coordinate, ``0`` where it holds it; ``None``: none held.
+        self.free = None
+        if problem.held:
+            device = self.consensus.device
+            free = {
+                k: (~problem.held[k]).to(device) if k in problem.held else torch.ones(shape, device=device)
+                for k, shape in self.shapes.items()
+            }
+            self.free = flat(free).to(self.consensus.dtype)
+        self.root_eta = root_eta
+        duals = [problem.dual[k].reshape(num_blocks, -1) for k in self.shapes]
+        duals = torch.cat(duals, dim=1) if duals else like.new_zeros(num_blocks, 0)
+        self.scaled_duals = (duals * root_eta).detach()
+
+    @property
+    def size(self) -> int:
+        """``P``, the number of global coordinates."""
+        return sum(self.sizes)
+
+    def copies(self, whitened: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copies and each block's penalty at whitened ``z_b``.
+
+        :param whitened: ``(m, P)``.
+        :returns: ``lambda_b`` as :class:`SiteViews` of a flat ``(m, P)`` tensor, and the penalty,
+            ``(m,)``.
+        """
+        if self.free is not None:
+            whitened = whitened * self.free
+        flat = self.consensus + self.root_eta * whitened
+        penalty = (self.scaled_duals * whitened).sum(1) + 0.5 * whitened.square().sum(1)
+        return self.views(flat), penalty
+
+    def views(self, flat: torch.Tensor) -> SiteViews:
+        """Per-site views of ``flat`` (``(m, P)``)."""
+        parts = flat.split(self.sizes, dim=1)
+        views = {k: part.reshape(len(flat), *shape) for (k, shape), part in zip(self.shapes.items(), parts)}
+        return SiteViews(flat, views)
+
+
 @dataclass
 class BlockSolution:
     """What a solver returns for a :class:`BlockProblem`.

@@ -5,7 +5,7 @@ Carlo noise held fixed, so that a quasi-Newton method sees a deterministic objec
 :class:`GenericSolver` is PDVI's default solver. With ``method="lbfgs"`` every block runs
 its own L-BFGS (:func:`~pyro_pdvi.infer.solvers.lbfgs.batched_lbfgs`: own history, step
 length and acceptance) on its whitened globals ``z_b`` (``lambda_b = lambda_0 + sqrt(eta)
-z_b``, :meth:`~pyro_pdvi.infer.problem.BlockProblem.whitened_copies`) and its rows, all
+z_b``, :class:`~pyro_pdvi.infer.problem.WhitenedGlobals`) and its rows, all
 blocks in one batched pass; the blocks' objectives come from the loop kernel or, with
 ``vectorize=True``, from one ``vmap``-ped evaluation. With ``method="optim"`` the user's
 :class:`pyro.optim.PyroOptim` takes ``inner_steps`` steps on every block's variables (its
@@ -28,7 +28,7 @@ from pyro.params.param_store import (
 
 from ...checks import check_positive_int
 from ..local_cavi import categorical_update
-from ..problem import BlockProblem, BlockSolution
+from ..problem import BlockProblem, BlockSolution, SiteViews, WhitenedGlobals
 from .lbfgs import batched_lbfgs
 
 METHODS = ("lbfgs", "optim")
@@ -150,29 +150,29 @@ class GenericSolver:
 
     def _solve_by_lbfgs(self, problem: BlockProblem, vectorize: bool, steps: int) -> BlockSolution:
         num_blocks = len(problem)
-        shapes = {k: v.shape for k, v in problem.consensus.items()}
-        shapes.update({k: v.shape[1:] for k, v in problem.local.items()})
-        sizes = [shape.numel() for shape in shapes.values()]
+        whitened = WhitenedGlobals(problem)
+        num_globals = whitened.size
+        row_shapes = [(k, v.shape[1:]) for k, v in problem.local.items()]
+        row_sizes = [shape.numel() for _, shape in row_shapes]
         start = torch.cat(
-            [v.new_zeros(num_blocks, v.numel()) for v in problem.consensus.values()]
+            [whitened.consensus.new_zeros(num_blocks, num_globals)]
             + [v.detach().reshape(num_blocks, -1) for v in problem.local.values()],
             dim=1,
         )
 
-        def unpack(x: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-            parts = {
-                name: part.reshape(num_blocks, *shape)
-                for (name, shape), part in zip(shapes.items(), x.split(sizes, dim=1))
-            }
-            whitened = {k: parts[k] for k in problem.consensus}
-            return problem.whitened_copies(whitened), {k: parts[k] for k in problem.local}
+        def unpack(x: torch.Tensor) -> tuple[SiteViews, dict[str, torch.Tensor], torch.Tensor]:
+            """The copies, the rows and the penalty at ``x`` (whitened globals, then rows)."""
+            copies, penalty = whitened.copies(x[:, :num_globals])
+            parts = x[:, num_globals:].split(row_sizes, dim=1)
+            rows = {k: part.reshape(num_blocks, *shape) for (k, shape), part in zip(row_shapes, parts)}
+            return copies, rows, penalty
 
-        tape = HeldGradientTape(problem.held)
+        tape = HeldGradientTape(problem.held, whitened)
 
         def augmented_lagrangians(x: torch.Tensor) -> torch.Tensor:
-            copies, rows = unpack(x)
-            tape.watch(x, copies)
-            return problem.losses(copies, rows, vectorize) + problem.penalty(copies)
+            copies, rows, penalty = unpack(x)
+            tape.watch(x, copies.flat)
+            return problem.losses(copies, rows, vectorize) + penalty
 
         # On a CPU a host read costs nothing: stop as soon as every block has stopped.
         check_every = 1 if start.device.type == "cpu" else None
@@ -197,9 +197,9 @@ class GenericSolver:
                 box=None if self.trust is None else box,
             )
         with torch.no_grad():
-            copies, rows = unpack(result.x)
-            losses = result.value - problem.penalty(copies)
-        return BlockSolution(copies, rows, losses, tape.at(result.x))
+            copies, rows, penalty = unpack(result.x)
+            losses = result.value - penalty
+        return BlockSolution(dict(copies), rows, losses, tape.at(result.x))
 
     def _solve_by_optim(self, problem: BlockProblem, vectorize: bool, steps: int) -> BlockSolution:
         optim = problem.optim
@@ -245,44 +245,46 @@ class HeldGradientTape:
     there (the coordinates stay at ``lambda_0``); the penalty adds the held duals, which are zero.
 
     :param held: the problem's held masks, per global site.
+    :param whitened: the solve's flat globals (their layout and which coordinates are held).
     """
 
-    def __init__(self, held: dict[str, torch.Tensor]) -> None:
+    def __init__(self, held: dict[str, torch.Tensor], whitened: WhitenedGlobals) -> None:
         self.held = held
+        self.whitened = whitened
         self.points: list[torch.Tensor] = []
-        self.gradients: list[dict[str, torch.Tensor]] = []
+        #: The held part of the gradient at each point, ``None`` until its backward pass ran.
+        self.gradients: list[torch.Tensor | None] = []
 
-    def watch(self, x: torch.Tensor, copies: dict[str, torch.Tensor]) -> None:
-        """Record, when the gradient of this evaluation at ``x`` is taken, its held part."""
+    def watch(self, x: torch.Tensor, copies: torch.Tensor) -> None:
+        """Record, when the gradient of this evaluation at ``x`` is taken, its held part.
+
+        :param copies: the flat copies ``(m, P)`` evaluated at ``x``.
+        """
         if not self.held:
             return
-        entry: dict[str, torch.Tensor] = {}
+        index = len(self.points)
         self.points.append(x.detach())
-        self.gradients.append(entry)
-        for name, mask in self.held.items():
+        self.gradients.append(None)
+        held = self.whitened.free == 0
 
-            def keep(grad: torch.Tensor, name: str = name, mask: torch.Tensor = mask) -> None:
-                entry[name] = grad.detach().masked_fill(~mask, 0.0)
+        def keep(grad: torch.Tensor) -> None:
+            self.gradients[index] = grad.detach().masked_fill(~held, 0.0)
 
-            copies[name].register_hook(keep)
+        copies.register_hook(keep)
 
     def at(self, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """The recorded gradients at each block's row of ``x`` (an evaluated point), NaN for a
         block whose point was not evaluated with a gradient; ``None`` with nothing held."""
-        complete = [e for e, entry in enumerate(self.gradients) if len(entry) == len(self.held)]
+        complete = [e for e, gradient in enumerate(self.gradients) if gradient is not None]
         if not self.held or not complete:
             return None
         match = torch.stack([(self.points[e] == x).all(1) for e in complete])  # (E, m)
         order = torch.arange(1, len(complete) + 1, device=x.device)[:, None]
         latest = (match * order).argmax(0)  # the last evaluation at each block's point
         blocks = torch.arange(x.shape[0], device=x.device)
-        found = match.any(0)
-        chosen = {}
-        for name in self.held:
-            stacked = torch.stack([self.gradients[e][name] for e in complete])[latest, blocks]
-            shape = (-1,) + (1,) * (stacked.dim() - 1)
-            chosen[name] = torch.where(found.reshape(shape), stacked, torch.nan)
-        return chosen
+        stacked = torch.stack([self.gradients[e] for e in complete])[latest, blocks]
+        chosen = torch.where(match.any(0)[:, None], stacked, torch.nan)
+        return {k: v for k, v in self.whitened.views(chosen).items() if k in self.held}
 
 
 def _optim_args(optim: PyroOptim, site: str) -> dict:
