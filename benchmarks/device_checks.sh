@@ -6,8 +6,10 @@
 #
 # WHEEL_FOLDER holds pyro-ppl and pyro-api wheels for that Python (see the docstring of
 # benchmarks/gpu.py); results land in OUT_FOLDER: the CUDA tests, the GPU benchmark
-# table, the spatial-domains figures and timings at 20k and 150k spots, and MF-WGF's step cost
-# (sections 5, 7, 10 and 12d; about 10 minutes at most).
+# table, the spatial-domains figures and timings at 20k and 150k spots, MF-WGF's step cost, and
+# issue 13's generic suite on the GPU (sections 5, 7, 10, 12d and 14; on an H200 on 2026-12-04
+# the first four parts took 124 s and the suite 176 s; about 10 minutes at most). The device
+# tool returns at most 8 files: run it with OUT_FOLDER outside $OUT and tar it into $OUT.
 set -uo pipefail
 wheels=${1:?give the folder of wheel files}
 out=${2:?give the output folder}
@@ -30,3 +32,10 @@ timeout 150 python3 benchmarks/spatial_domains.py --device cuda --quiet --seeds 
 # MF-WGF's cost against particles and dimension (section 12d) on the GPU.
 timeout 90 python3 benchmarks/mfwgf.py --device cuda --sections scaling --quiet --out "$out/mfwgf" \
     2>&1 | tee "$out/mfwgf_scaling.txt"
+# Issue 13's six small models on the GPU, one seed, 10 s each (section 14), the references on
+# the CPU.
+timeout 240 python3 benchmarks/suite.py --models logreg,ppca,mixed,hier,scale,odlogit \
+    --budget-seconds 10 --svi-lrs 0.01 --decay-lr 0 --pdvi-configs defaults --eta-grid "" \
+    --checkpoints 2.5,5,10 --seeds 0 --threads 1 --no-plots --device cuda --out "$out/suite" \
+    > "$out/suite_log.txt" 2>&1
+tail -n 40 "$out/suite_log.txt"

@@ -146,7 +146,7 @@ class WhitenedGlobals:
     :meth:`BlockProblem.whitened_copies` and :meth:`BlockProblem.penalty`, in a few operations on
     ``(m, P)`` tensors instead of several per site. An L-BFGS solve evaluates them, forward and
     backward, at every evaluation: with a dozen sites the per-site form took as many operations as
-    the model's own graph (the suite's random-effects model, ``docs/benchmarks.md`` 14b).
+    the model's own graph (the suite's random-effects model, ``docs/benchmarks.md`` 13v).
 
     :param problem: the step's subproblems.
     """

@@ -66,3 +66,49 @@ def test_unequal_blocks_are_separate_problems():
     solver, _, params, _ = run(BlockByBlockSolver, data, [[0, 1], [1, 2]])
     assert solver.batch_sizes == [1, 1, 1, 1]
     assert torch.isfinite(params["alpha"]).all()
+
+
+def test_whitened_globals_equal_the_per_site_copies_penalty_and_gradients():
+    """The solver's flat copies and penalty (``WhitenedGlobals``) are the per-site forms'
+    (``BlockProblem.whitened_copies`` and ``penalty``), values and gradients in the whitened
+    coordinates, with held coordinates at ``lambda_0`` and a site that no mask holds."""
+    from pyro_pdvi.infer.problem import SiteViews, WhitenedGlobals
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"a": (2, 3), "b": (4,), "c": ()}
+    m = 3
+
+    def draw(*shape):
+        return torch.randn(shape, generator=generator, dtype=torch.float64)
+
+    problem = BlockProblem(
+        blocks=torch.arange(m),
+        indices=torch.zeros(m, 1, dtype=torch.long),
+        consensus={k: draw(*s) for k, s in shapes.items()},
+        dual={k: draw(m, *s) for k, s in shapes.items()},
+        step_sizes={k: draw(*s).exp() for k, s in shapes.items()},  # per coordinate
+        local={},
+        num_blocks=m,
+        num_data=m,
+        held={"a": torch.tensor([[True, False, False], [False, False, True]]), "c": torch.tensor(True)},
+    )
+    flat = WhitenedGlobals(problem)
+    assert flat.size == 11
+    z = draw(m, flat.size).requires_grad_()
+    copies, penalty = flat.copies(z)
+    assert isinstance(copies, SiteViews) and copies.flat.shape == (m, 11)
+    per_site_z = {k: v.reshape(m, *shapes[k]) for k, v in zip(shapes, z.split([6, 4, 1], dim=1))}
+    expected_copies = problem.whitened_copies(per_site_z)
+    expected_penalty = problem.penalty(expected_copies)
+    for k in shapes:
+        torch.testing.assert_close(copies[k], expected_copies[k], rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(penalty, expected_penalty, rtol=1e-13, atol=1e-13)
+    # Held coordinates are lambda_0 exactly, and their whitened coordinates get no gradient.
+    assert torch.equal(copies["a"][:, 0, 0], problem.consensus["a"][0, 0].expand(m))
+    weights = draw(m, 11)
+    (grad,) = torch.autograd.grad((copies.flat * weights).sum() + penalty.sum(), z)
+    per_site_weights = zip(shapes, weights.split([6, 4, 1], dim=1))
+    weighted = sum((expected_copies[k].reshape(m, -1) * w).sum() for k, w in per_site_weights)
+    (expected,) = torch.autograd.grad(weighted + expected_penalty.sum(), z)
+    torch.testing.assert_close(grad, expected, rtol=1e-13, atol=1e-13)
+    assert torch.equal(grad[:, [0, 5, 10]], torch.zeros(m, 3, dtype=torch.float64))
