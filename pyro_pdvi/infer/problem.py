@@ -163,7 +163,7 @@ class WhitenedGlobals:
             return torch.cat(parts) if parts else like.new_zeros(0)
 
         self.consensus = flat(problem.consensus).detach()
-        root_eta = flat(problem.step_sizes).detach().sqrt()
+        self.root_eta = flat(problem.step_sizes).detach().sqrt()
         #: ``1`` where the solve moves a coordinate, ``0`` where it holds it; ``None``: none held.
         self.free = None
         if problem.held:
@@ -173,17 +173,16 @@ class WhitenedGlobals:
                 for k, shape in self.shapes.items()
             }
             self.free = flat(free).to(self.consensus.dtype)
-        self.root_eta = root_eta
         duals = [problem.dual[k].reshape(num_blocks, -1) for k in self.shapes]
         duals = torch.cat(duals, dim=1) if duals else like.new_zeros(num_blocks, 0)
-        self.scaled_duals = (duals * root_eta).detach()
+        self.scaled_duals = (duals * self.root_eta).detach()
 
     @property
     def size(self) -> int:
         """``P``, the number of global coordinates."""
         return sum(self.sizes)
 
-    def copies(self, whitened: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def copies(self, whitened: torch.Tensor) -> tuple[SiteViews, torch.Tensor]:
         """The copies and each block's penalty at whitened ``z_b``.
 
         :param whitened: ``(m, P)``.

@@ -251,6 +251,7 @@ class HeldGradientTape:
     def __init__(self, held: dict[str, torch.Tensor], whitened: WhitenedGlobals) -> None:
         self.held = held
         self.whitened = whitened
+        self._held_mask = None if whitened.free is None else whitened.free == 0
         self.points: list[torch.Tensor] = []
         #: The held part of the gradient at each point, ``None`` until its backward pass ran.
         self.gradients: list[torch.Tensor | None] = []
@@ -265,7 +266,7 @@ class HeldGradientTape:
         index = len(self.points)
         self.points.append(x.detach())
         self.gradients.append(None)
-        held = self.whitened.free == 0
+        held = self._held_mask
 
         def keep(grad: torch.Tensor) -> None:
             self.gradients[index] = grad.detach().masked_fill(~held, 0.0)
