@@ -389,3 +389,33 @@ def test_the_measurement_evaluates_each_block_with_its_own_step_arguments(monkey
     for b, block in enumerate(blocks):
         assert torch.equal(seen[b], block)
     assert not pdvi._first_step_args
+
+
+def test_coupled_losses_take_the_solvers_flat_copies_as_they_are():
+    """``CoupledLosses`` reads the flat tensor behind the solver's ``SiteViews`` (in the layout's
+    order) and concatenates any other dict of copies: the same params reach the model either way."""
+    from pyro_pdvi.infer.coupling import CoupledLosses
+    from pyro_pdvi.infer.problem import SiteViews
+
+    model, blocks, _ = intercepts_and_slopes()
+    pdvi = _fit(model, blocks, 1, seed=0)
+    layout, coupling = pdvi.layout, pdvi._coupling
+    seen = []
+
+    def losses(copies, rows, vectorize=False):
+        seen.append(layout.flatten(copies, batch_dims=1))
+        return seen[-1].sum(1)
+
+    coupled = CoupledLosses(losses, coupling, layout)
+    flat = torch.randn(2, pdvi.state.consensus.numel(), dtype=torch.float64)
+    views = layout.unflatten(flat)
+    # Views of a flat tensor whose sites are in another order: its flat form is not the layout's.
+    names = list(reversed(list(views)))
+    other_flat = torch.cat([views[k].reshape(2, -1) for k in names], dim=1)
+    sizes = [views[k][0].numel() for k in names]
+    other = {k: part.reshape(views[k].shape) for k, part in zip(names, other_flat.split(sizes, dim=1))}
+    copies = (SiteViews(flat, views), views, SiteViews(other_flat, other))
+    values = [coupled(c, {}) for c in copies]
+    for value, params in zip(values, seen):
+        torch.testing.assert_close(params, coupling.inverse(flat), rtol=0, atol=0)
+        torch.testing.assert_close(value, values[0], rtol=0, atol=0)
