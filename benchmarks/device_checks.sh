@@ -8,7 +8,8 @@
 # benchmarks/gpu.py); results land in OUT_FOLDER: the CUDA tests, the GPU benchmark
 # table, the spatial-domains figures and timings at 20k and 150k spots, MF-WGF's step cost, and
 # issue 13's generic suite on the GPU (sections 5, 7, 10, 12d and 14; on an H200 on 2026-12-04
-# the first four parts took 124 s and the suite 176 s; about 10 minutes at most). The device
+# the first four parts took 124 s and the suite 176 s, where the parts' own time limits add up
+# to 14 minutes: give the device call an outer `timeout` under its 10-minute limit). The device
 # tool returns at most 8 files: run it with OUT_FOLDER outside $OUT and tar it into $OUT.
 set -uo pipefail
 wheels=${1:?give the folder of wheel files}

@@ -433,8 +433,8 @@ def run_generic(bench: Bench, setup: Setup, per_step: int = 1) -> None:
     pdvi = make_pdvi(setup, GenericSolver(bench.args.inner_steps, vectorize=vectorize))
     steps = step_subsamples(setup, min(per_step, len(setup.blocks)))
     # Four steps' subsamples, each visited once before the clock starts: a block's first visit
-    # also measures its curvature and records its graph (PDVI's upkeep), which a timing of four
-    # steps over a hundred blocks counted in every step (section 14).
+    # also records its graph, which a timing of four steps over a hundred blocks counted in every
+    # step (it made no measurable difference there: section 14).
     steps = [s for s in steps if len(s) == len(steps[0])][:4]
     counter = iter(range(10**9))
 

@@ -145,8 +145,8 @@ class WhitenedGlobals:
     ``<sqrt(eta) mu_b, z_b> + 1/2 ||z_b||^2``: the same values as
     :meth:`BlockProblem.whitened_copies` and :meth:`BlockProblem.penalty`, in a few operations on
     ``(m, P)`` tensors instead of several per site. An L-BFGS solve evaluates them, forward and
-    backward, at every evaluation: with a dozen sites the per-site form took as many operations as
-    the model's own graph (the suite's random-effects model, ``docs/benchmarks.md`` 13v).
+    backward, at every evaluation: on the suite's random-effects model (14 sites) the per-site form
+    took about 200 operations against the model graph's 345 (``docs/benchmarks.md`` 13v).
 
     :param problem: the step's subproblems.
     """
@@ -168,11 +168,8 @@ class WhitenedGlobals:
         self.free = None
         if problem.held:
             device = self.consensus.device
-            free = {
-                k: (~problem.held[k]).to(device) if k in problem.held else torch.ones(shape, device=device)
-                for k, shape in self.shapes.items()
-            }
-            self.free = flat(free).to(self.consensus.dtype)
+            held = flat({k: torch.as_tensor(problem.held.get(k, False), device=device) for k in self.shapes})
+            self.free = (~held).to(self.consensus.dtype)
         duals = [problem.dual[k].reshape(num_blocks, -1) for k in self.shapes]
         duals = torch.cat(duals, dim=1) if duals else like.new_zeros(num_blocks, 0)
         self.scaled_duals = (duals * self.root_eta).detach()
