@@ -143,9 +143,13 @@ class _MaskFreeExpectation(TorchFunctionMode):
     * ``(prob > 0).all()`` on a batched mask asks one question of all blocks at once,
       instead of branching on a batched value, which ``vmap`` refuses;
     * ``x.masked_select(mask)`` on batched tensors, whose output size would differ
-      across blocks, becomes ``where(mask, x, 0)``, flattened. Its only use there is a
+      across blocks, becomes ``where(mask, x, 0)`` in ``x``'s shape. Its only use there is a
       sum of ``prob * cost`` over the masked entries, which the zeros leave unchanged
-      (value and gradient), while ``0 * inf`` never arises.
+      (value and gradient), while ``0 * inf`` never arises. Kept in ``x``'s shape (not
+      flattened), the sum adds the same numbers in the same order as Pyro's path for a mask
+      without zeros, so that a recorded graph equals Pyro's evaluation to the last bit. Flattened,
+      the two differed by rounding that grows with the particles: 1.9e-5 relative in float32 on
+      the suite's GMM with 64 particles (blocks of 1,000), enough to fail the replay's check.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -156,7 +160,7 @@ class _MaskFreeExpectation(TorchFunctionMode):
             return False if _recording else _unwrapped(args[0]).all()
         if func is torch.Tensor.masked_select and any(_is_vmapped(a) for a in args):
             value, mask = args
-            return torch.where(mask, value, value.new_zeros(())).reshape(-1)
+            return torch.where(mask, value, value.new_zeros(()))
         return func(*args, **kwargs)
 
 
