@@ -21,7 +21,10 @@ c. ``generic``: one ``PDVI.step`` on one block through Pyro's ``TraceEnum_ELBO``
    ``GenericSolver`` (L-BFGS, ``--inner-steps`` evaluations), timed at the blocks' second
    visits (four blocks, each visited once before); ``generic-vmap``: one step
    over 8 equal blocks with ``GenericSolver(vectorize=True)`` (one ``vmap`` pass, each block
-   its own L-BFGS, :func:`~pyro_pdvi.infer.solvers.batched_lbfgs`).
+   its own L-BFGS, :func:`~pyro_pdvi.infer.solvers.batched_lbfgs`); the user's ELBO draws one
+   particle and ``particles="auto"`` chooses the solves' (the note says how many);
+   ``generic-particles``: the one-block step with the solves' particles set
+   (:data:`PARTICLE_COUNTS`), to measure where more start to cost.
 d. ``svi``: one ``pyro.infer.SVI.step`` with Adam on one block (the same model, guide
    and ELBO).
 e. ``floor``: the bytes an epoch must move (each sweep reads every block's data once;
@@ -70,6 +73,8 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ["section", "method", "blocks_per_step", "points", "ms", "points_per_s", "note"]
+#: The solves' particles that ``generic-particles`` times.
+PARTICLE_COUNTS = (2, 8, 32, 64)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=200.0, help="seconds; later sections are skipped")
     parser.add_argument(
         "--sections",
-        default="cavi,closed-form,engine,generic,generic-vmap,svi,floor",
+        default="cavi,closed-form,engine,generic,generic-vmap,generic-particles,svi,floor",
         help="sections to run, comma list (see above)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -286,15 +291,19 @@ def run_cavi(bench: Bench, setup: Setup) -> None:
     bench.add("cavi", "ten CAVI passes", "", setup.num_data, seconds, "the target: PD-VI epoch <= 3x this")
 
 
-def make_pdvi(setup: Setup, solver):
-    """PDVI on the GMM with fixed step sizes (no curvature measurement in the timings)."""
+def make_pdvi(setup: Setup, solver, particles: int | None = None):
+    """PDVI on the GMM with fixed step sizes (no curvature measurement in the timings); with
+    ``particles``, the user's ELBO vectorizes that many, which the solves then draw (else it
+    draws one and ``particles="auto"`` chooses)."""
     import pyro
 
     from benchmarks.common import gmm_pdvi
 
     pyro.clear_param_store()
     groups = [{"sites": ["rho"], "eta": 1e-1}]
-    return gmm_pdvi(setup.gmm, setup.blocks, eta=1e-2, groups=groups, solver=solver, global_update="paper")
+    return gmm_pdvi(
+        setup.gmm, setup.blocks, particles, eta=1e-2, groups=groups, solver=solver, global_update="paper"
+    )
 
 
 def step_subsamples(setup: Setup, per_step: int) -> list[torch.Tensor]:
@@ -423,14 +432,15 @@ def run_engine(bench: Bench, setup: Setup) -> None:
                 bench.add("engine", f"    {label}", per_step, points, timer.seconds / count)
 
 
-def run_generic(bench: Bench, setup: Setup, per_step: int = 1) -> None:
+def run_generic(bench: Bench, setup: Setup, per_step: int = 1, particles: int | None = None) -> None:
     """Generic-path steps (``GenericSolver``: L-BFGS through ``TraceEnum_ELBO``): one block per
     step, or ``per_step`` equal blocks in one vmapped pass, each block its own L-BFGS
-    (``vectorize=True``; ``batched_lbfgs``, no host read in its loop)."""
+    (``vectorize=True``; ``batched_lbfgs``, no host read in its loop); the solves draw
+    ``particles`` (else ``particles="auto"``'s choice)."""
     from pyro_pdvi import GenericSolver
 
     vectorize = per_step > 1
-    pdvi = make_pdvi(setup, GenericSolver(bench.args.inner_steps, vectorize=vectorize))
+    pdvi = make_pdvi(setup, GenericSolver(bench.args.inner_steps, vectorize=vectorize), particles)
     steps = step_subsamples(setup, min(per_step, len(setup.blocks)))
     # Four steps' subsamples, each visited once before the clock starts: a block's first visit
     # also records its graph, which a timing of four steps over a hundred blocks counted in every
@@ -447,12 +457,23 @@ def run_generic(bench: Bench, setup: Setup, per_step: int = 1) -> None:
             step()
         seconds = bench.time(step, repeats=min(bench.args.repeats, 3))
     blocks = len(steps[0]) // setup.block_size
-    note = f"L-BFGS, {bench.args.inner_steps} evaluations, TraceEnum_ELBO"
+    drawn = pdvi.solve_loss.loss.num_particles
+    note = f"L-BFGS, {bench.args.inner_steps} evaluations, TraceEnum_ELBO, {drawn} particles"
     if vectorize:
         note = "vmap + per-block " + note
         bench.add("generic-vmap", "PDVI.step, generic path, vectorized", blocks, len(steps[0]), seconds, note)
+    elif particles is not None:
+        method = f"PDVI.step, generic path, {particles} particles"
+        bench.add("generic-particles", method, 1, setup.block_size, seconds, note)
     else:
         bench.add("generic", "PDVI.step, generic path, one block", 1, setup.block_size, seconds, note)
+
+
+def run_generic_particles(bench: Bench, setup: Setup) -> None:
+    """The generic step against the solves' particles: where more cost little
+    (``pyro_pdvi.infer.particles.CHEAP_DATA_PARTICLES``, measured on the CPU, not yet on a GPU)."""
+    for particles in PARTICLE_COUNTS:
+        run_generic(bench, setup, particles=particles)
 
 
 def run_svi(bench: Bench, setup: Setup) -> None:
@@ -522,6 +543,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     bench.section("engine", lambda: run_engine(bench, setup))
     bench.section("generic", lambda: run_generic(bench, setup))
     bench.section("generic-vmap", lambda: run_generic(bench, setup, per_step=8))
+    bench.section("generic-particles", lambda: run_generic_particles(bench, setup))
     bench.section("svi", lambda: run_svi(bench, setup))
     bench.section("floor", lambda: run_floor(bench, setup))
     print(f"# done in {bench.elapsed():.1f} s; table in {bench.csv_path}", flush=True)

@@ -176,6 +176,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--gmm-eta-grid", type=comma_list(str), default=[], help="fixed-eta grid for the GMM")
     parser.add_argument(
+        "--user-particles",
+        type=int,
+        default=None,
+        help="particles of the other models' user ELBO, for SVI and PDVI alike (default: each model's own; "
+        "1: Pyro's default, not vectorized)",
+    )
+    parser.add_argument(
+        "--gmm-user-particles",
+        type=int,
+        default=16,
+        help="particles of the GMM's user ELBO, for SVI and PDVI alike (1: Pyro's default, not vectorized)",
+    )
+    parser.add_argument(
         "--dtype", choices=("float32", "float64"), default="float32", help="dtype of the fits"
     )
     parser.add_argument("--device", default="cpu", help="torch device of the fits (references: CPU float64)")
@@ -287,6 +300,10 @@ def main(args: argparse.Namespace) -> dict:
     try:
         for name in args.models:
             problem = make_problem(name, args.quick, dtype, args.device)
+            if name == "gmm":
+                problem.set_user_particles(args.gmm_user_particles)
+            elif args.user_particles is not None:
+                problem.set_user_particles(args.user_particles)
             reference = compute_reference(problem)
             scorer = Scorer(problem, reference)
             budget = args.gmm_budget_seconds if name == "gmm" else args.budget_seconds

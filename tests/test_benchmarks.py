@@ -237,8 +237,28 @@ def test_gpu_benchmark_tiny_on_cpu(tmp_path):
     )  # fmt: skip
     rows = module.main(args)
     assert not [row for row in rows if row["method"] in ("FAILED", "skipped")]
-    sections = {"cavi", "closed-form", "engine", "generic", "generic-vmap", "svi", "floor"}
+    sections = {
+        "cavi",
+        "closed-form",
+        "engine",
+        "generic",
+        "generic-vmap",
+        "generic-particles",
+        "svi",
+        "floor",
+    }
     assert {row["section"] for row in rows} == sections
+    by_particles = [row for row in rows if row["section"] == "generic-particles"]
+    assert [row["note"].split(", ")[-1] for row in by_particles] == [
+        "2 particles",
+        "8 particles",
+        "32 particles",
+        "64 particles",
+    ]
+    # Blocks of 100 data on the CPU: "auto" counts what particles cost and draws fewer than 64.
+    (generic,) = [row["note"].split(", ")[-1] for row in rows if row["section"] == "generic"]
+    drawn = int(generic.split()[0])
+    assert 2 <= drawn < 64 and drawn % 2 == 0
     epochs = [row for row in rows if row["section"] == "closed-form"]
     assert [row["blocks_per_step"] for row in epochs] == [1, 2, 4, 1, 2, 4]
     assert all(row["ms"] > 0 for row in epochs)

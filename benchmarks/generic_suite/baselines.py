@@ -86,6 +86,14 @@ PDVI_CONFIGS: dict[str, dict] = {
     "eta0.1_inner3": {"eta": 0.1, "solver": GenericSolver(inner_steps=3)},
     # Every evaluation of a block through Pyro, the default before graph replay (13q).
     "no_replay": {"graph_replay": False},
+    # The user's ELBO with one particle (Pyro's default), so that particles="auto" picks the
+    # solve's particles, and the solve's particles set by hand (item 5 of issue 13's notes).
+    "user1": {PARTICLES: 1},
+    "p2": {"particles": 2},
+    "p4": {"particles": 4},
+    "p8": {"particles": 8},
+    "p16": {"particles": 16},
+    "p64": {"particles": 64},
     # The fixed-eta grid that eta="auto" is compared with (everything else at its default).
     "eta0.001": {"eta": 0.001},
     "eta0.01": {"eta": 0.01},

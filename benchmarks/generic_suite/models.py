@@ -56,6 +56,7 @@ from pyro.distributions import constraints
 from pyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 
+from pyro_pdvi.checks import check_positive_int
 from pyro_pdvi.models import GMMModel, make_biased_gmm
 
 PROBLEM_NAMES = ("logreg", "ppca", "mixed", "hier", "scale", "odlogit", "gmm")
@@ -124,6 +125,16 @@ class Problem:
         if particles is not None:
             kwargs.update(num_particles=particles, vectorize_particles=True)
         return self.loss_class(**kwargs)
+
+    def set_user_particles(self, particles: int) -> None:
+        """Make the user's ELBO draw ``particles`` (vectorized if more than one; one is Pyro's
+        default)."""
+        check_positive_int(particles, "particles")
+        self.loss_kwargs = {
+            k: v for k, v in self.loss_kwargs.items() if k not in ("num_particles", "vectorize_particles")
+        }
+        if particles > 1:
+            self.loss_kwargs.update(num_particles=particles, vectorize_particles=True)
 
     def initialise(self, guide: Callable, first_block: torch.Tensor) -> None:
         """Create the guide's params (one call on the first block, no gradient, nothing recorded)."""

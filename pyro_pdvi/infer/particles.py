@@ -5,10 +5,25 @@ A primal solve holds its block's noise fixed and minimises that sample-average o
 surrogate is degenerate for a location-scale guide: the solved scale follows the one draw,
 and can collapse (measured on the hierarchical model with ``TraceMeanField_ELBO()``: sd of
 q(mu) 5e-26). So with ``particles="auto"`` PDVI solves with its own copy of the user's ELBO
-(same class and settings) drawing :data:`AUTO_PARTICLES` vectorized particles in antithetic
-pairs, whatever ``num_particles`` the user's ELBO has; the user's ELBO itself is untouched
-(``PDVI.evaluate_loss`` uses it). Where the model cannot be vectorized over particles, the
-solve falls back to the user's ELBO, with a warning.
+(same class and settings) drawing vectorized particles in antithetic pairs; the user's ELBO
+itself is untouched (``PDVI.evaluate_loss`` uses it). Where the model cannot be vectorized
+over particles, the solve falls back to the user's ELBO, with a warning.
+
+How many: as many as cost little (:func:`affordable_particles`). Each operation of an
+evaluation costs a fixed overhead (dispatch, autograd's node) plus a time per element it
+makes, and the particles multiply the elements of the model's particle-dependent part. PDVI
+counts both at set-up (:func:`evaluation_size`: one evaluation of the first block with 2 and
+one with 4 particles) and draws the most particles, even, at least 2 and at most
+:data:`AUTO_PARTICLES`, whose elements stay within :data:`ELEMENTS_PER_OPERATION` per
+operation. Measured on the generic suite (CPU, one thread; ``docs/benchmarks.md`` 13w):
+
+* small blocks (the logistic regressions, 29 data a block): 64 particles cost a step 7% more
+  than 2, and give means 2-5x closer at equal seconds: 64 are chosen;
+* the GMM, blocks of 1,000: a step 0.021 s with 2 particles, 0.028 with 4, 0.078 with 16, and
+  the same error after every epoch to three digits (its data term is quadratic in the means,
+  which antithetic pairs matched in second moment integrate exactly): 2 are chosen;
+* PPCA (64 pixels a datum, blocks of 45): 64 particles gave 15.5 epochs in 20 s against 38 with
+  8, and an ELBO gap 4-27x larger at 2.5-10 s: 10 are chosen.
 
 Whenever a solve's particles come in antithetic pairs, the user's or PDVI's, their second
 moment is matched too (:class:`~pyro_pdvi.infer.antithetic.AntitheticNoise`): at fixed noise
@@ -23,14 +38,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
 from pyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checks import check_positive_int
 from .antithetic import antithetic_loss, check_antithetic_loss, has_particle_pairs
 from .objective import loss_function
 
-#: Particles of a block solve with ``particles="auto"`` when the user's ELBO does not vectorize any.
+#: Most particles of a block solve with ``particles="auto"`` when the user's ELBO does not vectorize any.
 AUTO_PARTICLES = 64
+
+#: Elements per operation of an evaluation that its particles may add and still cost little, by
+#: device type. CPU: an operation's fixed cost is that of about 5,500-15,000 elements (fitted to
+#: the suite's step costs against their particles), so the particles chosen add at most about
+#: three quarters of it (PPCA: 10, where its costs break even at about 14). CUDA: derived, not
+#: yet measured (an H200 streams about 10^6 elements of a float32 operation in a kernel launch's
+#: 5 us); ``benchmarks/gpu.py``'s ``generic-particles`` section measures it.
+ELEMENTS_PER_OPERATION = {"cpu": 4096, "cuda": 1 << 20}
 
 #: ELBOs that PDVI can rebuild with other particles (same constructor arguments).
 REBUILDABLE = (Trace_ELBO, TraceMeanField_ELBO, TraceEnum_ELBO)
@@ -52,6 +77,49 @@ def with_particles(loss: Any, num_particles: int) -> Any | None:
         ignore_jit_warnings=loss.ignore_jit_warnings,
         retain_graph=loss.retain_graph,
     )
+
+
+class _OperationCount(TorchDispatchMode):
+    """Counts the ATen operations run inside its ``with`` block and the elements they make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operations = 0
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.operations += 1
+        for value in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(value, torch.Tensor):
+                self.elements += value.numel()
+        return out
+
+
+def evaluation_size(evaluate: Callable[[], Any], device: torch.device) -> tuple[int, int]:
+    """``(operations, elements)`` of one call of ``evaluate`` (its forward pass), after one call
+    not counted (an ELBO's lazy set-up traces the model once); the random generators' states are
+    put back afterwards, so that nothing drawn here shifts a later draw."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        evaluate()
+        with _OperationCount() as count:
+            evaluate()
+    return count.operations, count.elements
+
+
+def affordable_particles(at_two: tuple[int, int], at_four: tuple[int, int], device: torch.device) -> int:
+    """The particles of ``particles="auto"`` (module docstring): the most, even, between 2 and
+    :data:`AUTO_PARTICLES`, whose elements stay within :data:`ELEMENTS_PER_OPERATION` per
+    operation.
+
+    :param at_two: :func:`evaluation_size` of a block's evaluation with 2 particles.
+    :param at_four: the same with 4 (the difference is the elements of 2 particles).
+    :param device: where the evaluations run.
+    """
+    operations, elements = at_two
+    per_particle = max((at_four[1] - elements) / 2, 1.0)
+    budget = ELEMENTS_PER_OPERATION.get(device.type, ELEMENTS_PER_OPERATION["cpu"]) * operations
+    return min(AUTO_PARTICLES, 2 * max(int(budget / per_particle) // 2, 1))
 
 
 def check_particles(particles: int | str | None) -> int | str | None:

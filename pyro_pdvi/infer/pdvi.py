@@ -40,7 +40,7 @@ from .handlers import plate_entry
 from .local_cavi import categorical_rows, exact_rows
 from .objective import BlockObjective, loss_function
 from .params import ParamStoreView
-from .particles import SolveLoss, check_particles, solve_loss
+from .particles import SolveLoss, affordable_particles, check_particles, evaluation_size, solve_loss
 from .problem import BlockProblem
 from .run import RunResult, run_epochs
 from .safeguard import RisingObjectiveGuard
@@ -148,10 +148,11 @@ class PDVI(StepSizeUpkeep):
         the generic suite's full-size GMM (epoch 2.4) and on PPCA (2 of 7 starts, epoch 3)
         with five (``docs/benchmarks.md`` 13d).
     :param particles: Monte Carlo particles of a block solve (:mod:`~pyro_pdvi.infer.particles`):
-        ``"auto"`` (default) solves with a copy of the user's ELBO that draws 64 vectorized
-        particles when the user's ELBO does not vectorize several (Pyro's default draws one),
-        else with the user's ELBO; an even number sets them; ``None`` solves with the user's
-        ELBO as it is.
+        ``"auto"`` (default) solves with a copy of the user's ELBO that draws vectorized
+        particles when the user's ELBO does not vectorize several (Pyro's default draws one):
+        as many as cost little, between 2 and 64, counted at set-up
+        (:func:`~pyro_pdvi.infer.particles.affordable_particles`); else with the user's ELBO.
+        An even number sets them; ``None`` solves with the user's ELBO as it is.
     :param antithetic: draw every Gaussian guide site's noise in antithetic pairs over the
         solve's vectorized particles (:mod:`~pyro_pdvi.infer.antithetic`), which removes the
         term linear in the noise from a fixed-noise block solve. ``"auto"`` (default): on
@@ -358,13 +359,16 @@ class PDVI(StepSizeUpkeep):
     def _warm_up(self, args: tuple, kwargs: dict) -> None:
         """One evaluation of the first block before any solve: an ELBO's lazy set-up (Pyro
         guesses max_plate_nesting by tracing, which draws) must not shift the fixed noise of the
-        first solve, nor differ between a fresh and a resumed run. If the model cannot take the
-        particles PDVI chose, the solves use the user's ELBO as it is."""
+        first solve, nor differ between a fresh and a resumed run. Where PDVI draws the solves'
+        particles (``particles="auto"``), it chooses how many first (:meth:`_choose_particles`).
+        If the model cannot take them, the solves use the user's ELBO as it is."""
         first = self.partition.stacked(torch.tensor([0]), self.device)
         rows = self._params.rows(first)
         # Through Pyro, not recorded: the ELBO's set-up runs in it, and a graph must hold only
         # what every evaluation does.
         with self._objective.one_off():
+            if self.particles == "auto" and self._solve_loss.owned:
+                self._choose_particles(first, rows, args, kwargs)
             try:
                 self._objective.bind(first, [0], args, kwargs)(self._copies(self._state.consensus, 1), rows)
             except Exception as error:
@@ -386,6 +390,28 @@ class PDVI(StepSizeUpkeep):
                 "off (scales drift). Use particles='auto' or a Trace_ELBO, TraceMeanField_ELBO or "
                 "TraceEnum_ELBO, which PDVI can give more particles.",
             )
+
+    def _choose_particles(self, first: torch.Tensor, rows: dict, args: tuple, kwargs: dict) -> None:
+        """Draw as many particles in the solves as cost little
+        (:func:`~pyro_pdvi.infer.particles.affordable_particles`): the first block evaluated with
+        2 and with 4, its operations and elements counted. The choice depends on shapes only, so
+        a resumed run makes the same; where the model cannot take 2 or 4 particles, the solve's
+        loss is left as it was (the warm-up then falls back to the user's ELBO, with a warning)."""
+
+        def evaluate() -> None:
+            self._objective.bind(first, [0], args, kwargs)(self._copies(self._state.consensus, 1), rows)
+
+        sizes = []
+        try:
+            for particles in (2, 4):
+                self._objective.loss_fn = solve_loss(self.loss, particles, self.antithetic, True).fn
+                sizes.append(evaluation_size(evaluate, self.device))
+        except Exception:  # the warm-up's fallback says what is wrong
+            self._objective.loss_fn = self._solve_loss.fn
+            return
+        chosen = affordable_particles(sizes[0], sizes[1], self.device)
+        self._solve_loss = solve_loss(self.loss, chosen, self.antithetic, self._noisy_solve)
+        self._objective.loss_fn = self._solve_loss.fn
 
     def _find_categorical_rows(self, found: FoundSites, args: tuple, kwargs: dict) -> tuple[str, ...]:
         """The local sites whose rows a solve may set by their closed-form update

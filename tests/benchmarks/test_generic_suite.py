@@ -272,3 +272,20 @@ def test_gmm_reference_scores_zero():
     assert metrics["w2_ratio"] == pytest.approx(1.0, abs=1e-12)
     assert metrics["min_sd_ratio"] == pytest.approx(1.0, abs=1e-12) == metrics["max_sd_ratio"]
     assert abs(metrics["elbo_gap"]) < 1e-12 and abs(metrics["elbo_gap_resolved"]) < 1e-9
+
+
+def test_gmm_user_particles_set_the_users_elbo():
+    """``--gmm-user-particles``: one is Pyro's default ELBO (not vectorized), more are vectorized;
+    the other settings stay."""
+    problem = models.GMM(F64, num_data=600, block_size=100)
+    problem.set_user_particles(1)
+    loss = problem.make_loss()
+    assert loss.num_particles == 1 and not loss.vectorize_particles and loss.max_plate_nesting == 1
+    problem.set_user_particles(4)
+    loss = problem.make_loss()
+    assert loss.num_particles == 4 and loss.vectorize_particles
+    assert "num_particles=4" in problem.loss_name
+    with pytest.raises(ValueError, match="particles"):
+        problem.set_user_particles(0)
+    args = suite.parse_args([])
+    assert args.gmm_user_particles == 16 and args.user_particles is None

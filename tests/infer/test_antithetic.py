@@ -10,6 +10,7 @@ from pyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal, Aut
 from torch.distributions import constraints
 
 from pyro_pdvi import PDVI, AntitheticNoise, GenericSolver
+from pyro_pdvi.infer.particles import affordable_particles, evaluation_size
 
 from ..toy_models import Hierarchical
 
@@ -88,34 +89,27 @@ def test_odd_or_missing_particles_are_an_error_naming_the_site():
             _guide()
 
 
+def hierarchical_pdvi(num_data: int, loss, **options):
+    """The hierarchical toy model in two blocks, and PDVI on it with ``loss`` and ``options``."""
+    problem = Hierarchical(num_data=num_data, num_blocks=2)
+    pdvi = PDVI(
+        problem.model, problem.guide, pyro.optim.Adam({"lr": 0.1}), loss, blocks=problem.blocks, **options
+    )
+    return problem, pdvi
+
+
 def test_pdvi_rejects_an_elbo_without_paired_particles_when_it_solves_with_the_user_s():
     """With particles=None the solves use the user's ELBO: antithetic=True needs its particles
     in vectorized pairs, said at the first step (the guide's sites are known then)."""
-    problem = Hierarchical(num_data=20, num_blocks=2)
     for loss in (Trace_ELBO(num_particles=4), TraceMeanField_ELBO(num_particles=5, vectorize_particles=True)):
-        pdvi = PDVI(
-            problem.model,
-            problem.guide,
-            pyro.optim.Adam({"lr": 0.1}),
-            loss,
-            blocks=problem.blocks,
-            antithetic=True,
-            particles=None,
-        )
+        problem, pdvi = hierarchical_pdvi(20, loss, antithetic=True, particles=None)
         with pytest.raises(
             ValueError, match="antithetic=True needs the ELBO's particles vectorized in pairs"
         ):
             pdvi.step(problem.blocks[0])
         assert pdvi.state is None
     with pytest.raises(ValueError, match="Invalid antithetic"):
-        PDVI(
-            problem.model,
-            problem.guide,
-            pyro.optim.Adam({"lr": 0.1}),
-            Trace_ELBO(),
-            blocks=problem.blocks,
-            antithetic="yes",
-        )
+        hierarchical_pdvi(20, Trace_ELBO(), antithetic="yes")
 
 
 @pytest.mark.parametrize(
@@ -125,26 +119,79 @@ def test_pdvi_rejects_an_elbo_without_paired_particles_when_it_solves_with_the_u
         (TraceMeanField_ELBO(num_particles=7, vectorize_particles=True), None, False, False),
         (TraceMeanField_ELBO(num_particles=8), None, False, False),
         (Trace_ELBO(), None, False, False),
-        (Trace_ELBO(), "auto", True, True),  # PDVI solves with 64 vectorized particles of its own
+        (Trace_ELBO(), "auto", True, True),  # PDVI solves with 64 particles of its own (blocks of 10)
         (TraceMeanField_ELBO(num_particles=32, vectorize_particles=True), "auto", True, False),
         (Trace_ELBO().differentiable_loss, "auto", False, False),  # a callable: nothing to rebuild
     ],
 )
 def test_antithetic_auto_is_on_exactly_for_paired_vectorized_particles(loss, particles, paired, owned):
-    problem = Hierarchical(num_data=20, num_blocks=2)
-    pdvi = PDVI(
-        problem.model,
-        problem.guide,
-        pyro.optim.Adam({"lr": 0.1}),
-        loss,
-        blocks=problem.blocks,
-        particles=particles,
-    )
+    problem, pdvi = hierarchical_pdvi(20, loss, particles=particles)
     pdvi.step(problem.blocks[0])
     assert pdvi.solve_loss.antithetic is paired and pdvi.solve_loss.owned is owned
     if owned:
         assert pdvi.solve_loss.loss.num_particles == 64 and pdvi.solve_loss.loss.vectorize_particles
         assert type(pdvi.solve_loss.loss) is type(loss) and loss.num_particles == 1  # the user's is untouched
+
+
+def test_evaluation_size_counts_operations_and_elements_and_puts_the_generator_back():
+    a, b = torch.ones(10), torch.ones(10)
+    state = torch.get_rng_state()
+    calls = []
+
+    def evaluate():
+        calls.append(torch.randn(3))  # a draw: 1 operation, 3 elements
+        return (a + b).exp()  # 2 operations of 10 elements
+
+    assert evaluation_size(evaluate, torch.device("cpu")) == (3, 23)
+    assert len(calls) == 2  # one call not counted (an ELBO's lazy set-up), one counted
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize(
+    "operations, per_particle, expected",
+    [
+        (100, 1, 64),
+        (100, 4096 * 100 / 64, 64),
+        (100, 4096 * 100 / 10.7, 10),
+        (100, 4096 * 100 / 3, 2),
+        (100, 1e9, 2),
+    ],
+)
+def test_affordable_particles_keep_the_particles_elements_within_a_share_of_the_operations(
+    operations, per_particle, expected
+):
+    fixed = 5000
+    at_two, at_four = (operations, fixed + 2 * per_particle), (operations, fixed + 4 * per_particle)
+    assert affordable_particles(at_two, at_four, torch.device("cpu")) == expected
+    # A GPU's operations cost as much as more elements: more particles there.
+    assert affordable_particles(at_two, at_four, torch.device("cuda")) >= expected
+
+
+def test_auto_draws_fewer_particles_where_they_cost():
+    """Blocks of 10 data: 64 particles. Blocks of 2,000: fewer, from the counted evaluation; the
+    count draws nothing that the run then sees (the params after two steps equal those of a run
+    given that number), and an explicit number is kept."""
+    chosen = {}
+    for num_data, particles in [(20, "auto"), (4000, "auto"), (4000, 16)]:
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        loss = Trace_ELBO()
+        problem, pdvi = hierarchical_pdvi(num_data, loss, particles=particles)
+        pdvi.step(problem.blocks[0])
+        chosen[num_data, particles] = pdvi.solve_loss.loss.num_particles
+        assert pdvi.solve_loss.antithetic and loss.num_particles == 1
+    assert chosen[20, "auto"] == 64 and chosen[4000, 16] == 16
+    assert 2 <= chosen[4000, "auto"] < 64 and chosen[4000, "auto"] % 2 == 0
+    params = []
+    for particles in ["auto", chosen[4000, "auto"]]:
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        problem, pdvi = hierarchical_pdvi(4000, Trace_ELBO(), particles=particles)
+        for block in problem.blocks:
+            pdvi.step(block)
+        params.append({k: v.detach().clone() for k, v in pyro.get_param_store().items()})
+    for name in params[0]:
+        torch.testing.assert_close(params[0][name], params[1][name], rtol=0, atol=0)
 
 
 def test_svi_steps_under_antithetic_noise():
