@@ -50,6 +50,7 @@ PLOTTED = {
     "scale": ("rmse_mean", "sigma_sd_error"),
     "odlogit": ("rmse_mean", "sd_error"),
     "gmm": ("w2_ratio", "elbo_gap_resolved"),
+    "biglogreg": ("rmse_mean", "sd_error"),
 }
 
 #: Metrics that are relative objective gaps: plotted on a symmetric log scale (they may be negative).

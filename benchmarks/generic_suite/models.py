@@ -40,6 +40,10 @@ name           model
                are 95% one cluster (:func:`pyro_pdvi.models.make_biased_gmm`),
                ``TraceEnum_ELBO(max_plate_nesting=1, num_particles=16,
                vectorize_particles=True)`` as in the README; N = 100,000 (quick: 5,000)
+``biglogreg``  ``logreg``'s model at scale: 100,000 synthetic rows (quick: 10,000) of 20
+               correlated covariates + intercept, labels from a logistic model with
+               coefficients ~ N(0, 0.5^2), ``AutoNormal``, 100 blocks (quick: 10) sorted by
+               label, ``Trace_ELBO()``
 =============  ========================================================================
 """
 
@@ -59,7 +63,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_pdvi.checks import check_positive_int
 from pyro_pdvi.models import GMMModel, make_biased_gmm
 
-PROBLEM_NAMES = ("logreg", "ppca", "mixed", "hier", "scale", "odlogit", "gmm")
+PROBLEM_NAMES = ("logreg", "ppca", "mixed", "hier", "scale", "odlogit", "gmm", "biglogreg")
 
 
 def sorted_blocks(keys: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
@@ -172,14 +176,10 @@ class LogisticRegression(Problem):
     guide_description = "AutoNormal"
 
     def __init__(self, dtype: torch.dtype, num_data: int | None = None, num_blocks: int = 20) -> None:
-        from sklearn.datasets import load_breast_cancer
-
-        raw = load_breast_cancer()
-        _, x = design_matrix(raw.data, num_data)
-        y = torch.as_tensor(raw.target, dtype=torch.float64)[:num_data]
+        x, y, source = self.load(num_data)
         super().__init__(
             name=self.short_name,
-            title=f"{self.description}, breast_cancer ({len(x)} x {x.shape[1]}), "
+            title=f"{self.description}, {source} ({len(x)} x {x.shape[1]}), "
             f"{self.guide_description}, {num_blocks} blocks sorted by label",
             num_data=len(x),
             blocks=sorted_blocks(y, num_blocks),
@@ -189,6 +189,16 @@ class LogisticRegression(Problem):
             data={"x": x, "y": y},
         )
         self.x, self.y = x.to(dtype), y.to(dtype)
+
+    @staticmethod
+    def load(num_data: int | None) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """The design matrix with an intercept, the labels (float64) and the data's name: the
+        first ``num_data`` rows of breast_cancer."""
+        from sklearn.datasets import load_breast_cancer
+
+        raw = load_breast_cancer()
+        _, x = design_matrix(raw.data, num_data)
+        return x, torch.as_tensor(raw.target, dtype=torch.float64)[:num_data], "breast_cancer"
 
     def _model(self, idx):
         w = pyro.sample(
@@ -200,6 +210,30 @@ class LogisticRegression(Problem):
 
     def make_guide(self):
         return AutoNormal(self.model)
+
+
+class LargeLogisticRegression(LogisticRegression):
+    """:class:`LogisticRegression` on data too many for one batch: ``num_data`` synthetic rows
+    (100,000 by default) of 20 correlated covariates, labels drawn from a logistic model with
+    known coefficients, blocks sorted by label. A likelihood that is not quadratic in the
+    coefficients, at the sizes PDVI is for."""
+
+    short_name = "biglogreg"
+    num_covariates = 20
+
+    @classmethod
+    def load(cls, num_data: int | None) -> tuple[torch.Tensor, torch.Tensor, str]:
+        generator = torch.Generator().manual_seed(0)
+        num_data = num_data or 100_000
+        size = cls.num_covariates
+        mixing = torch.eye(size, dtype=torch.float64) + torch.randn(
+            size, size, generator=generator, dtype=torch.float64
+        ) / (2 * size**0.5)
+        features = torch.randn(num_data, size, generator=generator, dtype=torch.float64) @ mixing
+        _, x = design_matrix(features, None)
+        coefficients = 0.5 * torch.randn(size + 1, generator=generator, dtype=torch.float64)
+        y = torch.bernoulli(torch.sigmoid(x @ coefficients), generator=generator)
+        return x, y, "synthetic"
 
 
 class OverdispersedLogistic(LogisticRegression):
@@ -507,6 +541,10 @@ def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
         return NormalScale(dtype)
     if name == "odlogit":
         return OverdispersedLogistic(dtype)
+    if name == "biglogreg":
+        return (
+            LargeLogisticRegression(dtype, 10_000, 10) if quick else LargeLogisticRegression(dtype, None, 100)
+        )
     if name == "gmm":
         return GMM(dtype, num_data=5000 if quick else 100_000)
     raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")
@@ -517,6 +555,7 @@ __all__ = [
     "PPCA",
     "PROBLEM_NAMES",
     "HierarchicalNormal",
+    "LargeLogisticRegression",
     "LogisticRegression",
     "MixedEffects",
     "NormalScale",

@@ -29,6 +29,7 @@ SMALL = {
     "hier": lambda: models.HierarchicalNormal(F64, num_data=6, num_blocks=2),
     "scale": lambda: models.NormalScale(F64, num_data=12, num_blocks=3),
     "odlogit": lambda: models.OverdispersedLogistic(F64, num_data=12, num_blocks=3),
+    "biglogreg": lambda: models.LargeLogisticRegression(F64, num_data=12, num_blocks=3),
 }
 
 
@@ -289,3 +290,14 @@ def test_gmm_user_particles_set_the_users_elbo():
         problem.set_user_particles(0)
     args = suite.parse_args([])
     assert args.gmm_user_particles == 16 and args.user_particles is None
+
+
+def test_large_logistic_regression_is_a_sorted_synthetic_data_set():
+    problem = models.make_problem("biglogreg", quick=True, dtype=F64)
+    assert problem.num_data == 10_000 and len(problem.blocks) == 10 and problem.x.shape == (10_000, 21)
+    assert torch.equal(torch.cat(problem.blocks).sort().values, torch.arange(10_000))
+    labels = [set(problem.y[block].tolist()) for block in problem.blocks]
+    assert labels[0] == {0.0} and labels[-1] == {1.0}  # sorted by label: non-i.i.d. blocks
+    assert 0.2 < float(problem.y.mean()) < 0.8
+    again = models.make_problem("biglogreg", quick=True, dtype=F64)
+    assert torch.equal(again.x, problem.x) and torch.equal(again.y, problem.y)  # its own seed
