@@ -396,7 +396,10 @@ class PDVI(StepSizeUpkeep):
         (:func:`~pyro_pdvi.infer.particles.affordable_particles`): the first block evaluated with
         2 and with 4, its operations and elements counted. The choice depends on shapes only, so
         a resumed run makes the same; where the model cannot take 2 or 4 particles, the solve's
-        loss is left as it was (the warm-up then falls back to the user's ELBO, with a warning)."""
+        loss is left as it was (the warm-up then falls back to the user's ELBO, with a warning).
+        Counted on one block: a vectorized solve over several blocks at once
+        (``GenericSolver(vectorize=True)``) makes as many times the elements per operation, so
+        there the particles cost more than this count allows for."""
 
         def evaluate() -> None:
             self._objective.bind(first, [0], args, kwargs)(self._copies(self._state.consensus, 1), rows)
