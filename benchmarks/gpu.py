@@ -471,7 +471,7 @@ def run_generic(bench: Bench, setup: Setup, per_step: int = 1, particles: int | 
 
 def run_generic_particles(bench: Bench, setup: Setup) -> None:
     """The generic step against the solves' particles: where more cost little
-    (``pyro_pdvi.infer.particles.CHEAP_DATA_PARTICLES``, measured on the CPU, not yet on a GPU)."""
+    (``pyro_pdvi.infer.particles.ELEMENTS_PER_OPERATION``, measured on the CPU, not yet on a GPU)."""
     for particles in PARTICLE_COUNTS:
         run_generic(bench, setup, particles=particles)
 
