@@ -374,3 +374,18 @@ def test_trace_pdvi_records_every_epoch_and_the_first_epochs_capped_growth(tmp_p
         assert len(list(csv.DictReader(handle))) == 2
     stepwise = trace.main(trace.parse_args(["--model", "logreg", "--epochs", "1", "--every-step"]))
     assert len(stepwise) == 21 and stepwise[-1]["rmse_mean"] == rows[-1]["rmse_mean"]
+
+
+def test_solve_noise_tiny(tmp_path, capsys):
+    """The hierarchical normal: its means' noise vanishes (a quadratic log joint), its scale's falls
+    with the particles; one row per particles, in the printed table and the CSV."""
+    module = load_script(BENCHMARKS / "solve_noise.py")
+    out = tmp_path / "noise.csv"
+    rows = module.main(module.parse_args(["--models", "hier", "--particles", "2,16", "--out", str(out)]))
+    assert [row["particles"] for row in rows] == [2, 16]
+    assert all(row["sites"]["AutoNormal.locs.mu"] < 1e-5 for row in rows)
+    assert rows[0]["sites"]["AutoNormal.scales.mu"] > 2 * rows[1]["sites"]["AutoNormal.scales.mu"]
+    assert capsys.readouterr().out.count("particles  noise") == 2
+    with open(out) as file:
+        written = list(csv.DictReader(file))
+    assert [r["particles"] for r in written if r["site"] == "all"] == ["2", "16"]

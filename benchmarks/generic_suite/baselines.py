@@ -93,6 +93,8 @@ PDVI_CONFIGS: dict[str, dict] = {
     "p4": {"particles": 4},
     "p8": {"particles": 8},
     "p16": {"particles": 16},
+    # biglogreg's count at set-up, kept throughout: the defaults before the review of 13y.
+    "p20": {"particles": 20},
     "p64": {"particles": 64},
     # The fixed-eta grid that eta="auto" is compared with (everything else at its default).
     "eta0.001": {"eta": 0.001},

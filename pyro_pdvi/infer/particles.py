@@ -25,6 +25,14 @@ operation. Measured on the generic suite (CPU, one thread; ``docs/benchmarks.md`
 * PPCA (64 pixels a datum, blocks of 45): 64 particles gave 15.5 epochs in 20 s against 38 with
   8, and an ELBO gap 4-27x larger at 2.5-10 s: 10 are chosen.
 
+What they buy, :meth:`PDVI.solve_noise <pyro_pdvi.PDVI.solve_noise>` measures: the spread of
+a few blocks' gradients across noise draws against their curvature gives the Monte Carlo noise
+that the solves leave in the consensus, in posterior standard deviations
+(:func:`consensus_noise`). Measured on the generic suite after two epochs with the particles
+chosen above (``docs/benchmarks.md`` 13y), it is 0.03-0.12 on every model but the GMM, most of it
+in the scales (the hierarchical normal with 2 particles: 0.2, and its sd of ``q(mu)`` 16% off):
+the counts above are not more than the noise asks for.
+
 Whenever a solve's particles come in antithetic pairs, the user's or PDVI's, their second
 moment is matched too (:class:`~pyro_pdvi.infer.antithetic.AntitheticNoise`): at fixed noise
 a scale then sees the noise's exact variance, not its draws' mean square. Measured on the
@@ -56,6 +64,9 @@ AUTO_PARTICLES = 64
 #: yet measured (an H200 streams about 10^6 elements of a float32 operation in a kernel launch's
 #: 5 us); ``benchmarks/gpu.py``'s ``generic-particles`` section measures it.
 ELEMENTS_PER_OPERATION = {"cpu": 4096, "cuda": 1 << 20}
+
+#: Noise draws of each block's gradient in :meth:`PDVI.solve_noise <pyro_pdvi.PDVI.solve_noise>`.
+NOISE_DRAWS = 4
 
 #: ELBOs that PDVI can rebuild with other particles (same constructor arguments).
 REBUILDABLE = (Trace_ELBO, TraceMeanField_ELBO, TraceEnum_ELBO)
@@ -175,3 +186,28 @@ def solve_loss(
     fn = loss_function(loss)
     paired = antithetic_loss(fn, match_second_moment=True) if antithetic else fn
     return SolveLoss(loss, paired, bool(antithetic), owned)
+
+
+def consensus_noise(gradient_variance: torch.Tensor, curvature: torch.Tensor) -> float | None:
+    """The Monte Carlo noise that the solves leave in the consensus, in posterior standard
+    deviations, rms over the coordinates: ``sqrt(mean_j V_j / H_j)``.
+
+    At the fixed point the blocks' gradients sum to zero, so noise ``e_b`` in block ``b``'s
+    gradient moves coordinate ``j`` by about ``sum_b e_bj / H_j`` with ``H_j = sum_b H_bj``, whose
+    variance is ``V_j / H_j^2`` with ``V_j = sum_b Var(e_bj)``; the posterior's variance is about
+    ``1 / H_j``. Both sums may be over a sample of the blocks (their ratio is what counts).
+    For a scale set by its fixed point (:mod:`~pyro_pdvi.infer.scales`: its precision a sum of
+    the blocks' shares, read from their gradients in it) the same ratio in its coordinate is the
+    precision's relative noise over ``sqrt(2)``, so the scale is off by about ``noise / sqrt(2)``
+    of itself. It is the noise of one visit of every block: the iteration averages it further
+    (``docs/benchmarks.md`` 13y). Coordinates without a positive finite curvature or a finite
+    variance are left out.
+
+    :param gradient_variance: ``V``, the blocks' gradient variances across noise draws, summed, ``(P,)``.
+    :param curvature: ``H``, their diagonal curvatures, summed, ``(P,)``.
+    :returns: the noise, or ``None`` where no coordinate is usable.
+    """
+    usable = torch.isfinite(curvature) & (curvature > 0) & torch.isfinite(gradient_variance)
+    if not bool(usable.any()):
+        return None
+    return float((gradient_variance[usable] / curvature[usable]).mean().sqrt())

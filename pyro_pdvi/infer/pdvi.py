@@ -31,7 +31,7 @@ import torch
 from pyro.infer import ELBO, TraceEnum_ELBO
 from pyro.optim import PyroOptim
 
-from ..checks import check_choice, check_non_negative
+from ..checks import check_choice, check_non_negative, check_positive_int
 from ..errors import NonFiniteStepError, warn_user
 from .blocks import BlockPartition
 from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate, find_non_finite
@@ -40,7 +40,15 @@ from .handlers import plate_entry
 from .local_cavi import categorical_rows, exact_rows
 from .objective import BlockObjective, loss_function
 from .params import ParamStoreView
-from .particles import SolveLoss, affordable_particles, check_particles, evaluation_size, solve_loss
+from .particles import (
+    NOISE_DRAWS,
+    SolveLoss,
+    affordable_particles,
+    check_particles,
+    consensus_noise,
+    evaluation_size,
+    solve_loss,
+)
 from .problem import BlockProblem
 from .run import RunResult, run_epochs
 from .safeguard import RisingObjectiveGuard
@@ -48,7 +56,14 @@ from .scales import ScaleFixedPoint, find_scale_maps
 from .sites import FoundSites, GlobalLayout, find_sites, missing_subsample_message
 from .solvers import BlockSolver, GenericSolver
 from .stationarity import StationarityTest
-from .step_sizes import SHORT_SOLVE_STEPS, AutoStepSize, StepSizes, check_eta, resolve_groups
+from .step_sizes import (
+    SHORT_SOLVE_STEPS,
+    AutoStepSize,
+    StepSizes,
+    check_eta,
+    diagonal_curvature,
+    resolve_groups,
+)
 from .upkeep import StepSizeUpkeep
 
 #: Values of ``PDVI(scale_update=...)``.
@@ -374,10 +389,11 @@ class PDVI(StepSizeUpkeep):
             except Exception as error:
                 if not self._solve_loss.owned:
                     raise
+                particles = self._solve_loss.loss.num_particles
                 self._solve_loss = solve_loss(self.loss, None, self.antithetic, self._noisy_solve)
                 self._objective.loss_fn = self._solve_loss.fn
                 warn_user(
-                    f"PDVI could not vectorize the model over {self._solve_loss.loss.num_particles} "
+                    f"PDVI could not vectorize the model over {particles} "
                     f"particles for its block solves ({type(error).__name__}: {error}); they use the "
                     "loss as given. Write the model so that it broadcasts over a leading particle "
                     "dimension (see Pyro's vectorize_particles), or pass particles=None.",
@@ -962,6 +978,67 @@ class PDVI(StepSizeUpkeep):
         if self._state is None:
             raise RuntimeError("call step() at least once before global_gradient_norm()")
         return float(self._gradient_sum(self._epoch_blocks(), args, kwargs).norm())
+
+    def solve_noise(self, *args: Any, num_blocks: int = 8, **kwargs: Any) -> dict[str, float | None]:
+        """The Monte Carlo noise that the block solves leave in ``lambda_0``, in posterior standard
+        deviations, per global site (rms over its coordinates;
+        :func:`~pyro_pdvi.infer.particles.consensus_noise`): whether the solves' particles
+        (:attr:`solve_loss`) are enough. Measured at ``lambda_0`` and the current rows on
+        ``num_blocks`` blocks spread over the partition: each block's gradient over
+        :data:`~pyro_pdvi.infer.particles.NOISE_DRAWS` noise draws and its diagonal curvature
+        (:func:`~pyro_pdvi.infer.step_sizes.diagonal_curvature`). Take it after an epoch or two:
+        at the initial params an antithetic pair can integrate a gradient exactly (a logistic
+        regression's at zero means) and the noise measures near zero (``docs/benchmarks.md`` 13x).
+        Its draws come from seeds of their own, so the run's steps are as without it. Below 0.05
+        the noise costs less than 1.3e-3 nats of ELBO a coordinate (``0.5 * noise^2``); for a scale
+        set by its fixed point (:mod:`~pyro_pdvi.infer.scales`) the scale is off by about
+        ``noise / sqrt(2)`` of itself. Measured on the generic suite in ``docs/benchmarks.md`` 13y.
+
+        :param args: positional arguments of model and guide, as in a step (each block measured
+            takes its own indices as the data plate's subsample, whatever ``args`` hold).
+        :param num_blocks: how many blocks are measured (each costs about
+            ``NOISE_DRAWS + 1`` evaluations of its block and a few backward passes).
+        :param kwargs: keyword arguments of model and guide.
+        :returns: ``{site: noise}``; ``None`` for a site without a positive measured curvature.
+        :raises RuntimeError: before the first step.
+        """
+        if self._state is None:
+            raise RuntimeError("call step() at least once before solve_noise()")
+        check_positive_int(num_blocks, "num_blocks")
+        count = min(num_blocks, len(self.partition))
+        blocks = torch.linspace(0, len(self.partition) - 1, count).round().long().unique().tolist()
+        variance = torch.zeros_like(self._state.consensus)
+        curvature = torch.zeros_like(self._state.consensus)
+        # Signatures first seen here need not recur: not recorded.
+        with self._objective.one_off():
+            for b in blocks:
+                block_variance, block_curvature = self._gradient_noise_and_curvature(b, args, kwargs)
+                variance += block_variance
+                curvature += block_curvature
+        return {
+            name: consensus_noise(variance[span], curvature[span])
+            for name, span in self.layout.slices.items()
+        }
+
+    def _gradient_noise_and_curvature(
+        self, b: int, args: tuple, kwargs: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ``b``'s gradient in the globals at ``lambda_0`` and its rows: its variance across
+        :data:`~pyro_pdvi.infer.particles.NOISE_DRAWS` noise draws of the solves' loss, and its
+        diagonal curvature, each ``(P,)`` in the params' coordinates."""
+        indices = self.partition.stacked(torch.tensor([b]), self.device)
+        rows = self._params.rows(indices)
+        point = self._consensus_params.detach()
+        seed = self._side_seed(-4 - b)
+        gradients = []
+        for draw in range(NOISE_DRAWS):
+            copy = point.clone().requires_grad_()
+            copies = {k: v.unsqueeze(0) for k, v in self.layout.unflatten(copy).items()}
+            losses = self._objective.bind(indices, [seed + draw], args, kwargs)
+            gradients.append(torch.autograd.grad(losses(copies, rows).sum(), copy)[0])
+        products = self._block_hessian_products(b, args, kwargs, seed)
+        curvature = diagonal_curvature(products, point, self.auto_step_size.curvature_probes)
+        return torch.stack(gradients).var(0), curvature
 
     def _gradient_sum(
         self, blocks: list[int], args: tuple, kwargs: dict, subsample_arg: str | None = None
