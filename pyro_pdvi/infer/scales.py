@@ -12,8 +12,9 @@ a sum over the blocks, ``s_b = |b| / N`` block ``b``'s share of the global terms
 Hessian. :class:`ScaleFixedPoint` keeps each block's ``h_bi``, refreshed at every visit (from the
 gradient at the block's solution, which the :class:`~pyro_pdvi.infer.solvers.GenericSolver` hands
 on from its last accepted evaluation: no extra model call) and averaged over its visits with
-weights growing linearly (``2 / (k + 1)`` for the ``k``-th visit: the Monte Carlo noise averages
-out while the bias of early visits fades as ``1 / k^2``), and
+weights growing as a power of the visit (:func:`visit_weight_order`: linearly, ``2 / (k + 1)`` for
+the ``k``-th visit, up to 26 blocks, faster with more blocks, which average the Monte Carlo noise
+among themselves: the bias of early visits then fades faster), and
 sets every such scale to ``(sum_b h_bi)^(-1/2)`` after each step once every block has been seen.
 The solves hold these coordinates at ``lambda_0`` (no copy, no dual moves them): the primal-dual
 iteration runs on the locations and the other params. This is the variance-reduced
@@ -58,6 +59,35 @@ from .sites import DataPlate, GlobalLayout
 
 #: Relative tolerance of the checks that a scale is ``T(u_j)``.
 MAP_TOLERANCE = 1e-5
+
+
+#: The highest order of the visits' weights (:func:`visit_weight_order`).
+MAX_VISIT_WEIGHT_ORDER = 3
+
+#: The blocks at which order 1 (weights growing linearly) was measured to average the visits'
+#: Monte Carlo noise well enough (``docs/benchmarks.md`` 13i, the suite's small models).
+LINEAR_WEIGHT_BLOCKS = 20
+
+
+def visit_weight_order(num_blocks: int) -> int:
+    """The order ``p`` of the weights with which a block's ``h_b`` averages its visits: the
+    ``k``-th visit enters with weight ``(p + 1) / (k + p)``, so the visits' weights grow as
+    ``k (k + 1) ... (k + p - 1)`` and the bias of early visits, made far from the optimum, fades as
+    ``1 / k^(p + 1)``, while the Monte Carlo noise of the average grows with ``p``: its variance is
+    ``(p + 1)^2 / (2 p + 1)`` times a plain mean's. The sum over ``n`` blocks averages that noise
+    further, ``1 / n`` in variance, so the order is the highest (at most
+    :data:`MAX_VISIT_WEIGHT_ORDER`) whose noise over ``n`` blocks is at most order 1's over
+    :data:`LINEAR_WEIGHT_BLOCKS`: 1 up to 26 blocks, 2 up to 34, then 3. Measured in
+    ``docs/benchmarks.md`` 13y: order 3 put ``biglogreg``'s (100 blocks) sds 4x and its means 2x
+    closer at 20-30 s; on the 20-block models it left the sds 1.1-1.25x further.
+
+    :param num_blocks: the run's blocks.
+    """
+    order = 1
+    for p in range(2, MAX_VISIT_WEIGHT_ORDER + 1):
+        if (p + 1) ** 2 / (2 * p + 1) * LINEAR_WEIGHT_BLOCKS <= (4 / 3) * num_blocks:
+            order = p
+    return order
 
 
 class ScaleMap(NamedTuple):
@@ -231,6 +261,7 @@ class ScaleFixedPoint:
         size = len(self.coordinates)
         self.information = point.new_zeros(num_blocks, size, dtype=torch.float64)
         self.visits = torch.zeros(num_blocks, dtype=torch.long, device=point.device)
+        self.visit_weight_order = visit_weight_order(num_blocks)
         #: ``sum_b h_bi`` over every process's blocks.
         self.total = point.new_zeros(size, dtype=torch.float64)
         # Counters are device tensors: a step reads nothing on the host.
@@ -270,8 +301,9 @@ class ScaleFixedPoint:
         return (gradient / slope + shares.to(torch.float64)[:, None] / sigma) / sigma
 
     def record(self, block_ids: torch.Tensor, information: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Average new ``h_b`` into the blocks' stored ones (weight ``2 / (k + 1)`` at the
-        ``k``-th visit); a block whose ``h_b`` is not finite keeps its stored one.
+        """Average new ``h_b`` into the blocks' stored ones (weight ``(p + 1) / (k + p)`` at the
+        ``k``-th visit, ``p`` the :func:`visit_weight_order`); a block whose ``h_b`` is not finite
+        keeps its stored one.
 
         :returns: the change of ``sum_b h_b`` and the number of blocks seen for the first time
             (for :meth:`add`, after summing them over processes).
@@ -281,7 +313,9 @@ class ScaleFixedPoint:
         self.non_finite = self.non_finite + (~finite).sum()
         first = ((self.visits[block_ids] == 0) & finite).sum()
         self.visits[block_ids] += finite.long()
-        weight = torch.where(finite, 2.0 / (self.visits[block_ids] + 1).to(torch.float64), 0.0)[:, None]
+        order = self.visit_weight_order
+        visits = self.visits[block_ids].to(torch.float64)
+        weight = torch.where(finite, (order + 1) / (visits + order), 0.0)[:, None]
         old = self.information[block_ids]
         new = old + weight * (torch.where(finite[:, None], information, 0.0) - old)
         self.information[block_ids] = new

@@ -9,10 +9,11 @@ import torch
 from pyro.distributions import constraints
 from pyro.infer import TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoNormal
+from torch.distributions.transforms import ExpTransform
 
 from pyro_pdvi import PDVI, GenericSolver
 from pyro_pdvi.infer.params import ParamStoreView
-from pyro_pdvi.infer.scales import find_scale_maps
+from pyro_pdvi.infer.scales import ScaleFixedPoint, ScaleMap, find_scale_maps, visit_weight_order
 from pyro_pdvi.infer.sites import GlobalLayout, find_sites
 
 NUM_DATA = 12
@@ -300,3 +301,19 @@ def test_the_fixed_point_costs_no_model_call_beyond_the_solve():
         _epochs(pdvi, 1)
         per_step[update] = len(calls) / len(BLOCKS)
     assert per_step["fixed_point"] == per_step["primal_dual"]
+
+
+def test_the_visits_weights_grow_with_an_order_that_follows_the_blocks():
+    assert [visit_weight_order(n) for n in (1, 20, 26, 27, 34, 35, 100)] == [1, 1, 1, 2, 2, 3, 3]
+    for num_blocks, order in [(20, 1), (30, 2), (100, 3)]:
+        fixed = ScaleFixedPoint(
+            [ScaleMap("z", "s", torch.tensor([0]), ExpTransform())], num_blocks, torch.zeros(1)
+        )
+        values = torch.tensor([5.0, 1.0, 3.0, 2.0, 4.0], dtype=torch.float64)
+        for value in values:
+            fixed.record(torch.tensor([0]), value.reshape(1, 1))
+        # The k-th visit's weight is k (k + 1) ... (k + order - 1).
+        ks = torch.arange(1, len(values) + 1, dtype=torch.float64)
+        weights = torch.stack([ks + i for i in range(order)]).prod(0)
+        expected = (weights * values).sum() / weights.sum()
+        assert float(fixed.information[0, 0]) == pytest.approx(float(expected), rel=1e-12)
