@@ -80,6 +80,9 @@ PDVI_CONFIGS: dict[str, dict] = {
     "natural0.5": {"eta": AutoStepSize(scale=0.5)},
     "natural0.25": {"eta": AutoStepSize(scale=0.25)},
     "natural0.125": {"eta": AutoStepSize(scale=0.125)},
+    # Both of the two that shortened biglogreg's first epochs (13z): no paper-rule warm-up and the
+    # natural rule's constant at a quarter.
+    "warmup0_natural0.25": {"warmup_epochs": 0.0, "eta": AutoStepSize(scale=0.25)},
     # The best hand setting on the logistic regression.
     "eta1_inner3_p16": {"eta": 1.0, "solver": GenericSolver(inner_steps=3), PARTICLES: 16},
     # The best hand setting on PPCA (with the user's 8 particles there).
