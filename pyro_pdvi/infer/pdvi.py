@@ -993,6 +993,8 @@ class PDVI(StepSizeUpkeep):
         the noise costs less than 1.3e-3 nats of ELBO a coordinate (``0.5 * noise^2``); for a scale
         set by its fixed point (:mod:`~pyro_pdvi.infer.scales`) the scale is off by about
         ``noise / sqrt(2)`` of itself. Measured on the generic suite in ``docs/benchmarks.md`` 13y.
+        A solve without Monte Carlo (a model's closed-form solver, a guide without Monte Carlo
+        sites) leaves none, whatever this measures of the loss.
 
         :param args: positional arguments of model and guide, as in a step (each block measured
             takes its own indices as the data plate's subsample, whatever ``args`` hold).

@@ -78,14 +78,15 @@ def visit_weight_order(num_blocks: int) -> int:
     further, ``1 / n`` in variance, so the order is the highest (at most
     :data:`MAX_VISIT_WEIGHT_ORDER`) whose noise over ``n`` blocks is at most order 1's over
     :data:`LINEAR_WEIGHT_BLOCKS`: 1 up to 26 blocks, 2 up to 34, then 3. Measured in
-    ``docs/benchmarks.md`` 13y: order 3 put ``biglogreg``'s (100 blocks) sds 4x and its means 2x
+    ``docs/benchmarks.md`` 13z: order 3 put ``biglogreg``'s (100 blocks) sds 4x and its means 2x
     closer at 20-30 s; on the 20-block models it left the sds 1.1-1.25x further.
 
     :param num_blocks: the run's blocks.
     """
     order = 1
     for p in range(2, MAX_VISIT_WEIGHT_ORDER + 1):
-        if (p + 1) ** 2 / (2 * p + 1) * LINEAR_WEIGHT_BLOCKS <= (4 / 3) * num_blocks:
+        # noise factor of order p over n blocks <= order 1's (4/3) over LINEAR_WEIGHT_BLOCKS
+        if (p + 1) ** 2 / (2 * p + 1) / num_blocks <= (4 / 3) / LINEAR_WEIGHT_BLOCKS:
             order = p
     return order
 
