@@ -29,9 +29,9 @@ What they buy, :meth:`PDVI.solve_noise <pyro_pdvi.PDVI.solve_noise>` measures: t
 a few blocks' gradients across noise draws against their curvature gives the Monte Carlo noise
 that the solves leave in the consensus, in posterior standard deviations
 (:func:`consensus_noise`). Measured on the generic suite after two epochs with the particles
-chosen above (``docs/benchmarks.md`` 13y), it is 0.03-0.12 on every model but the GMM, most of it
-in the scales (the hierarchical normal with 2 particles: 0.2, and its sd of ``q(mu)`` 16% off):
-the counts above are not more than the noise asks for.
+chosen above, or the user's (``docs/benchmarks.md`` 13y), it is 0.026-0.18 on every model but the
+GMM (2e-7), most of it in the scales (the hierarchical normal with 2 particles: 0.26 in the scale
+of ``mu``, whose sd is then 16% off): the counts above are not more than the noise asks for.
 
 Whenever a solve's particles come in antithetic pairs, the user's or PDVI's, their second
 moment is matched too (:class:`~pyro_pdvi.infer.antithetic.AntitheticNoise`): at fixed noise

@@ -1028,19 +1028,21 @@ class PDVI(StepSizeUpkeep):
         """Block ``b``'s gradient in the globals at ``lambda_0`` and its rows: its variance across
         :data:`~pyro_pdvi.infer.particles.NOISE_DRAWS` noise draws of the solves' loss, and its
         diagonal curvature, each ``(P,)`` in the params' coordinates."""
-        indices = self.partition.stacked(torch.tensor([b]), self.device)
-        rows = self._params.rows(indices)
-        point = self._consensus_params.detach()
         seed = self._side_seed(-4 - b)
-        gradients = []
-        for draw in range(NOISE_DRAWS):
-            copy = point.clone().requires_grad_()
-            copies = {k: v.unsqueeze(0) for k, v in self.layout.unflatten(copy).items()}
-            losses = self._objective.bind(indices, [seed + draw], args, kwargs)
-            gradients.append(torch.autograd.grad(losses(copies, rows).sum(), copy)[0])
+        gradients = [self._block_gradient(b, seed + draw, args, kwargs) for draw in range(NOISE_DRAWS)]
         products = self._block_hessian_products(b, args, kwargs, seed)
+        point = self._consensus_params.detach()
         curvature = diagonal_curvature(products, point, self.auto_step_size.curvature_probes)
         return torch.stack(gradients).var(0), curvature
+
+    def _block_gradient(self, b: int, seed: int, args: tuple, kwargs: dict) -> torch.Tensor:
+        """``grad_lambda f_b(phi_b, lambda_0)`` of block ``b`` at the noise of ``seed``, ``(P,)`` in
+        the params' coordinates."""
+        indices = self.partition.stacked(torch.tensor([b]), self.device)
+        point = self._consensus_params.detach().requires_grad_()
+        copies = {k: v.unsqueeze(0) for k, v in self.layout.unflatten(point).items()}
+        f = self._objective.bind(indices, [seed], args, kwargs)(copies, self._params.rows(indices))
+        return torch.autograd.grad(f.sum(), point)[0]
 
     def _gradient_sum(
         self, blocks: list[int], args: tuple, kwargs: dict, subsample_arg: str | None = None
@@ -1048,13 +1050,8 @@ class PDVI(StepSizeUpkeep):
         """``sum_b grad_lambda f_b(phi_b, lambda_0)`` over ``blocks``."""
         total = torch.zeros_like(self._state.consensus)
         for b in blocks:
-            block_kwargs = self._with_block(kwargs, b, subsample_arg)
-            indices = self.partition.stacked(torch.tensor([b]), self.device)
             seed = int(torch.randint(0, 2**62, ()))
-            point = self._consensus_params.detach().requires_grad_()
-            copies = {k: v.unsqueeze(0) for k, v in self.layout.unflatten(point).items()}
-            f = self._objective.bind(indices, [seed], args, block_kwargs)(copies, self._params.rows(indices))
-            total += torch.autograd.grad(f.sum(), point)[0]
+            total += self._block_gradient(b, seed, args, self._with_block(kwargs, b, subsample_arg))
         return total
 
     # ----------------------------------------------------------- checkpoints
