@@ -359,14 +359,16 @@ def test_spatial_domains_benchmark_tiny(tmp_path, capsys):
 def test_trace_pdvi_records_every_epoch_and_the_first_epochs_capped_growth(tmp_path):
     """On the logistic regression the locations' step sizes grow at the first epoch's last step,
     by at most FISHER_STEP_GROWTH (docs/benchmarks.md 13o); the trace records it there, a row per
-    epoch (per step with --every-step) and the CSV."""
+    epoch (per step with --every-step) and the CSV. The steps before it may record smaller changes:
+    the first epoch's bound by the mean measured curvature moves with each block measured (13za)."""
     from pyro_pdvi.infer.step_sizes import FISHER_STEP_GROWTH
 
     trace = load_script(BENCHMARKS / "trace_pdvi.py")
     out = tmp_path / "trace.csv"
     rows = trace.main(trace.parse_args(["--model", "logreg", "--epochs", "1", "--out", str(out)]))
     assert [r["epoch"] for r in rows] == [0.0, 1.0]
-    (event,) = rows[1]["step_size_changes"].split("; ")
+    *first_steps, event = rows[1]["step_size_changes"].split("; ")
+    assert all(not e.startswith("step 20:") for e in first_steps)
     match = re.match(r"step 20: \d+ coords x([0-9.e+-]+)-([0-9.e+-]+), lambda_0 moved", event)
     assert match and 1.0 < float(match.group(2)) <= FISHER_STEP_GROWTH * (1 + 1e-3)
     assert rows[1]["rmse_mean"] < rows[0]["rmse_mean"] and rows[1]["h_norm"] > 0

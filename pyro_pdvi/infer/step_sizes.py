@@ -275,6 +275,19 @@ FISHER_STEP_GROWTH = 4.0
 #: suite: 2 slowed the logistic regression 10x, 32 let the mixed model's per-group effects oscillate).
 BLOCK_CURVATURE_BOUND = 8.0
 
+#: While the guide's Fisher information is the one measured at the start (the first epoch, where
+#: the scales are held at the guide's initial values: :mod:`~pyro_pdvi.infer.scales`), the natural
+#: rule's step sizes are also at most ``scale / mean_b c_bj``, the mean over the blocks measured so
+#: far of their diagonal curvature: the block's share of the objective's curvature that the Fisher
+#: stands for once the scales are set, measured instead of read off a start that no data informed.
+#: Where the posterior is narrower than the guide's start (AutoNormal's scale 0.1 against sds of
+#: 0.01), the start's Fisher gave step sizes 9-24x the natural rule's at the optimum (``biglogreg``,
+#: ``docs/benchmarks.md`` 13za): the first epoch, under the paper's rule, then took the means from
+#: 0.52 to 0.87 and left curvatures measured there that held the step sizes 2-6x too large for
+#: several epochs. Where it is wider (the small regressions: sds 0.35 against 0.1) the start's
+#: Fisher is the smaller step size and this changes nothing.
+START_CURVATURE_FLOOR = True
+
 #: The default ``scale`` of each rule.
 DEFAULT_SCALES = {"natural": 1.0, "curvature": 2.0}
 
@@ -418,6 +431,11 @@ class StepSizes:
         self.curvatures: torch.Tensor | None = None
         self.fisher: torch.Tensor | None = None
         self.block_curvature: torch.Tensor | None = None
+        #: ``sum_b c_bj`` over the measured blocks and how many they are (the start's bound).
+        self.block_curvature_sum: torch.Tensor | None = None
+        self.measured_blocks = 0
+        #: Whether the Fisher information in use is the one measured at the start.
+        self.fisher_at_start = False
         #: A factor on every step size (:mod:`~pyro_pdvi.infer.safeguard` halves it).
         self.damping = 1.0
         #: A factor per coordinate, flat (:mod:`~pyro_pdvi.infer.stationarity` halves them).
@@ -453,25 +471,39 @@ class StepSizes:
         fisher = torch.where(torch.isfinite(fisher), fisher, 0.0 if self.fisher is None else self.fisher)
         if self.fisher is None:
             self.fisher = fisher
+            self.fisher_at_start = True
             return True
+        self.fisher_at_start = False
         fisher = torch.where(fisher > 0, fisher.clamp(min=self.fisher / FISHER_STEP_GROWTH), fisher)
         moved = (fisher > FISHER_TOLERANCE * self.fisher) | (fisher * FISHER_TOLERANCE < self.fisher)
         self.fisher = torch.where(moved, fisher, self.fisher)
         return bool(moved.any())
 
-    def bound_block_curvature(self, curvature: torch.Tensor) -> bool:
-        """Take one more block's diagonal curvature into the bound ``eta_j <= 8 / max_b h_bj``
-        of the natural rule (:func:`diagonal_curvature`).
+    def bound_block_curvature(self, curvatures: torch.Tensor) -> bool:
+        """Take more blocks' diagonal curvatures (:func:`diagonal_curvature`) into the bound
+        ``eta_j <= 8 / max_b h_bj`` of the natural rule and, while the Fisher information is the
+        start's, into ``eta_j <= scale / mean_b h_bj`` (:data:`START_CURVATURE_FLOOR`).
 
-        :returns: whether any coordinate's bound grew.
+        :param curvatures: one row per block, shape ``(m, P)``.
+        :returns: whether any coordinate's bound changed.
         """
-        curvature = curvature.detach().to("cpu", torch.float64)
+        curvatures = curvatures.detach().to("cpu", torch.float64).reshape(-1, curvatures.shape[-1])
+        total = curvatures.sum(0)
+        if self.block_curvature_sum is not None:
+            total = total + self.block_curvature_sum
+        self.block_curvature_sum = total
+        self.measured_blocks += len(curvatures)
+        curvature = curvatures.amax(0)
         if self.block_curvature is None:
             self.block_curvature = curvature
             return True
         grew = bool((curvature > self.block_curvature).any())
         self.block_curvature = torch.maximum(self.block_curvature, curvature)
-        return grew
+        return grew or self._start_bound_applies()
+
+    def _start_bound_applies(self) -> bool:
+        """Whether ``eta_j <= scale / mean_b h_bj`` bounds the natural rule now."""
+        return START_CURVATURE_FLOOR and self.fisher_at_start and self.block_curvature_sum is not None
 
     def needs_curvature(self) -> bool:
         """Whether some ``"auto"`` coordinate takes the curvature rule: all of them under that
@@ -576,6 +608,11 @@ class StepSizes:
             if self.block_curvature is not None:
                 # A coordinate that few blocks inform is as stiff in one block as in all of them.
                 natural = torch.minimum(natural, BLOCK_CURVATURE_BOUND / self.block_curvature.clamp(min=tiny))
+            if self._start_bound_applies():
+                # The start's Fisher says nothing of the posterior: the measured curvature does.
+                mean = self.block_curvature_sum / self.measured_blocks
+                bound = self.auto.scale / mean.clamp(min=tiny)
+                natural = torch.where(mean > 0, torch.minimum(natural, bound), natural)
             etas = torch.where(informed, natural, etas)
         # A collapsed scale (Fisher ~ 1/sigma^2 huge) must not round eta to 0 in ``like``'s
         # dtype: the dual step divides by it.
@@ -601,6 +638,7 @@ class StepSizes:
         return {g.name: float(c) for g, c in zip(self.groups, self.curvatures)}
 
     def state_dict(self) -> dict[str, Any]:
+        total = self.block_curvature_sum
         return {
             "groups": [g.name for g in self.groups],
             "group_step_sizes": self.etas.clone(),
@@ -608,6 +646,9 @@ class StepSizes:
             "curvatures": None if self.curvatures is None else self.curvatures.clone(),
             "fisher": None if self.fisher is None else self.fisher.clone(),
             "block_curvature": None if self.block_curvature is None else self.block_curvature.clone(),
+            "block_curvature_sum": None if total is None else total.clone(),
+            "measured_blocks": self.measured_blocks,
+            "fisher_at_start": self.fisher_at_start,
             "damping": self.damping,
             "decay": None if self.decay is None else self.decay.clone(),
         }
@@ -626,3 +667,8 @@ class StepSizes:
         self.decay = None if decay is None else decay.to(torch.float64)
         bound = state["block_curvature"]
         self.block_curvature = None if bound is None else bound.to(torch.float64)
+        # Absent from checkpoints before the start's bound: none applies.
+        total = state.get("block_curvature_sum")
+        self.block_curvature_sum = None if total is None else total.to(torch.float64)
+        self.measured_blocks = state.get("measured_blocks", 0)
+        self.fisher_at_start = state.get("fisher_at_start", False)

@@ -192,7 +192,7 @@ class StepSizeUpkeep:
             self._first_step_args.clear()
         if not self._step_sizes.natural or not len(ids):
             return False
-        return self._step_sizes.bound_block_curvature(measured[ids].amax(0))
+        return self._step_sizes.bound_block_curvature(measured[ids])
 
     def _not_held(self, mask: torch.Tensor) -> torch.Tensor:
         """``mask`` without the coordinates that the solves hold (scales set by their fixed point)."""

@@ -10,6 +10,7 @@ import torch
 from pyro.infer import SVI, Trace_ELBO, TraceGraph_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDelta
 
+import pyro_pdvi.infer.step_sizes as step_sizes
 from pyro_pdvi import PDVI, AutoStepSize, GenericSolver, NonFiniteStepError
 from pyro_pdvi.infer.pdvi import REFUSED_STEP_RETRIES
 
@@ -211,9 +212,12 @@ def test_non_finite_step_is_refused_and_changes_nothing():
     assert pdvi.num_steps == 2
 
 
-def test_refused_step_is_solved_again_with_halved_step_sizes():
+def test_refused_step_is_solved_again_with_halved_step_sizes(monkeypatch):
     """A block that fails while the step sizes are too large for it costs retries at halved
-    step sizes, not the run: the step is taken at a quarter, the halving stays and is reported."""
+    step sizes, not the run: the step is taken at a quarter, the halving stays and is reported.
+    (The first epoch's bound by the mean measured curvature, which each new block moves, is off:
+    the step sizes are then compared with those of the step before.)"""
+    monkeypatch.setattr(step_sizes, "START_CURVATURE_FLOOR", False)
     problem = Hierarchical(num_data=20, num_blocks=4)
     elbo = TraceMeanField_ELBO(num_particles=8, vectorize_particles=True)
 

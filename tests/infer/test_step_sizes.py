@@ -9,10 +9,12 @@ from pyro.infer import TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 from torch.distributions import constraints
 
+import pyro_pdvi.infer.step_sizes as step_sizes
 import pyro_pdvi.infer.upkeep as upkeep
 from pyro_pdvi import PDVI, AutoStepSize, GenericSolver
 from pyro_pdvi.infer.sites import GlobalLayout, GlobalSite
 from pyro_pdvi.infer.step_sizes import (
+    BLOCK_CURVATURE_BOUND,
     FISHER_TOLERANCE,
     NATURAL_SCALE_WITH_LOCALS,
     SHORT_SOLVE_STEPS,
@@ -187,14 +189,10 @@ def test_changing_eta_mid_run_keeps_the_exact_fixed_point():
 # The checkpoint round trip across a re-measure: tests/infer/test_pdvi.py.
 
 
-def test_a_natural_step_size_grows_at_most_fourfold_an_epoch_and_shrinks_at_once():
-    """AutoNormal's scales start at 0.1 and are held there for the first epoch; the posterior sd
-    of ``w`` is 0.91, so the Fisher information of its location falls 83x when the fixed point
-    sets the scale. The location's step size follows it 4x an epoch (its duals were gathered
-    under the smaller one) until it is within ``FISHER_TOLERANCE`` of the rule's value; where the
-    Fisher information rises again, the step size shrinks at once."""
-    num_data, noise = 20, 10.0
-    y = 3.0 * torch.randn(num_data, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0
+def _normal_mean_run(noise: float, spread: float = 1.0, num_data: int = 20) -> tuple[PDVI, list, float]:
+    """PDVI on a normal mean ``w ~ N(0, 1)``, ``y_i ~ N(w, noise)``, in 4 blocks, with its posterior
+    sd (exact: the model is conjugate)."""
+    y = spread * torch.randn(num_data, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0
 
     def model(idx):
         w = pyro.sample("w", dist.Normal(y.new_zeros(()), 1.0))
@@ -207,12 +205,21 @@ def test_a_natural_step_size_grows_at_most_fourfold_an_epoch_and_shrinks_at_once
     pdvi = PDVI(
         model, AutoNormal(model), pyro.optim.Adam({}), TraceMeanField_ELBO(), blocks=blocks, groups="per_site"
     )
+    return pdvi, blocks, (1 + num_data / noise**2) ** -0.5
+
+
+def test_a_natural_step_size_grows_at_most_fourfold_an_epoch_and_shrinks_at_once():
+    """AutoNormal's scales start at 0.1 and are held there for the first epoch; the posterior sd
+    of ``w`` is 0.91, so the Fisher information of its location falls 83x when the fixed point
+    sets the scale. The location's step size follows it 4x an epoch (its duals were gathered
+    under the smaller one) until it is within ``FISHER_TOLERANCE`` of the rule's value; where the
+    Fisher information rises again, the step size shrinks at once."""
+    pdvi, blocks, posterior_sd = _normal_mean_run(noise=10.0, spread=3.0)
     etas = []
     for _ in range(5):
         for block in blocks:
             pdvi.step(block)
         etas.append(pdvi.step_sizes["AutoNormal.locs.w"])
-    posterior_sd = (1 + num_data / noise**2) ** -0.5
     assert float(pyro.param("AutoNormal.scales.w").detach()) == pytest.approx(posterior_sd, rel=1e-3)
     start = len(blocks) * 0.1**2  # the natural rule, scale 1: eta = n sigma^2
     natural = len(blocks) * posterior_sd**2
@@ -222,6 +229,44 @@ def test_a_natural_step_size_grows_at_most_fourfold_an_epoch_and_shrinks_at_once
     pdvi._step_sizes.set_fisher(pdvi._step_sizes.fisher * natural / start)
     pdvi._apply_step_sizes()
     assert pdvi.step_sizes["AutoNormal.locs.w"] == pytest.approx(etas[-1] * start / natural, rel=1e-4)
+
+
+@pytest.mark.parametrize("floor", [True, False])
+def test_in_the_first_epoch_the_measured_curvature_bounds_a_natural_step_size(monkeypatch, floor):
+    """A posterior sd of 0.0089, 11x narrower than AutoNormal's start. While the scales are held at
+    AutoNormal's 0.1, the start's Fisher information (100) would give the location a step size 127x
+    the natural rule's at the optimum (``n sigma^2``, sigma the posterior sd). The blocks' measured
+    curvature, ``1 / sigma^2`` shared among them (the model is Gaussian: it is exact), bounds it by
+    ``scale / mean_b h_b``, which is the rule's value; without that bound the one of
+    ``8 / max_b h_b`` leaves it 8x larger. Once the Fisher information is measured again at the
+    epoch's end the start's bound is dropped: the scale's fixed point gives the same value."""
+    monkeypatch.setattr(step_sizes, "START_CURVATURE_FLOOR", floor)
+    pdvi, blocks, posterior_sd = _normal_mean_run(noise=0.04)
+    natural = len(blocks) * posterior_sd**2
+    pdvi.step(blocks[0])
+    expected = natural if floor else BLOCK_CURVATURE_BOUND * natural
+    assert pdvi.step_sizes["AutoNormal.locs.w"] == pytest.approx(expected, rel=1e-3)
+    assert pdvi._step_sizes.fisher_at_start
+    for block in blocks[1:]:
+        pdvi.step(block)
+    assert not pdvi._step_sizes.fisher_at_start
+    assert float(pyro.param("AutoNormal.scales.w").detach()) == pytest.approx(posterior_sd, rel=1e-3)
+    assert pdvi.step_sizes["AutoNormal.locs.w"] == pytest.approx(natural, rel=1e-3)
+
+
+def test_a_checkpoint_keeps_the_first_epochs_curvature_bound():
+    """A run resumed within its first epoch takes the same step sizes as the one it came from."""
+    pdvi, blocks, _ = _normal_mean_run(noise=0.04)
+    pdvi.step(blocks[0])
+    state = pdvi.state_dict()
+    etas = dict(pdvi.step_sizes)
+    resumed, _, _ = _normal_mean_run(noise=0.04)
+    resumed.load_state_dict(state)
+    pdvi.step(blocks[1])
+    resumed.step(blocks[1])
+    assert resumed._step_sizes.fisher_at_start
+    assert resumed.step_sizes == pytest.approx(pdvi.step_sizes, rel=1e-6)
+    assert pdvi.step_sizes["AutoNormal.locs.w"] == pytest.approx(etas["AutoNormal.locs.w"], rel=0.01)
 
 
 @pytest.mark.parametrize(
