@@ -391,3 +391,39 @@ def test_solve_noise_tiny(tmp_path, capsys):
     with open(out) as file:
         written = list(csv.DictReader(file))
     assert [r["particles"] for r in written if r["site"] == "all"] == ["2", "16"]
+
+
+def test_consensus_rate_hessians_and_iteration():
+    """The blocks' Hessians of the logistic regression sum to the Hessian of its negative log joint
+    (autograd, at the reference means); on random SPD blocks the iteration reaches the quadratic's
+    minimiser, ``(sum_b H_b)^-1 sum_b H_b a_b``, at the rate it reports; and the table's rows."""
+    module = load_script(BENCHMARKS / "consensus_rate.py")
+    from benchmarks.generic_suite.models import make_problem
+    from benchmarks.generic_suite.references import compute_reference
+
+    problem = make_problem("logreg", quick=False)
+    params = compute_reference(problem).params
+    hessians = module.block_hessians(problem, params)
+    x, y = problem.x.to(torch.float64), problem.y.to(torch.float64)
+
+    def negative_log_joint(w):
+        logits = x @ w
+        likelihood = torch.distributions.Bernoulli(logits=logits).log_prob(y).sum()
+        return -(likelihood + torch.distributions.Normal(0.0, problem.prior_scale).log_prob(w).sum())
+
+    means = params["AutoNormal.locs.w"].to(torch.float64)
+    exact = torch.autograd.functional.hessian(negative_log_joint, means)
+    assert torch.allclose(hessians.sum(0), exact, rtol=1e-10, atol=1e-10)
+    assert module.diagonal_condition(hessians) > 1.0
+
+    generator = torch.Generator().manual_seed(1)
+    factors = torch.randn(4, 3, 3, generator=generator, dtype=torch.float64)
+    spd = factors @ factors.transpose(-1, -2) + torch.eye(3, dtype=torch.float64)
+    errors = module.consensus_errors(spd, 0.25, epochs=200, seed=0)
+    assert errors[4] < 1 and errors[-1] < 1e-12
+    rate, after5 = module.epoch_rate(spd, 0.25, epochs=40, seed=0)
+    assert after5 == errors[4] and 0 < rate < 0.9
+
+    rows = module.main(module.parse_args(["--models", "logreg", "--constants", "0.25,1", "--epochs", "12",
+                                          "--seeds", "1"]))  # fmt: skip
+    assert [r["constant"] for r in rows] == [0.25, 1.0] and all(0 < r["rate"] < 1 for r in rows)

@@ -80,6 +80,12 @@ PDVI_CONFIGS: dict[str, dict] = {
     "natural0.5": {"eta": AutoStepSize(scale=0.5)},
     "natural0.25": {"eta": AutoStepSize(scale=0.25)},
     "natural0.125": {"eta": AutoStepSize(scale=0.125)},
+    # ... and above it (13zb: what the quadratic model of benchmarks/consensus_rate.py predicts).
+    "natural2": {"eta": AutoStepSize(scale=2.0)},
+    "natural4": {"eta": AutoStepSize(scale=4.0)},
+    # Ten times the default short solve's evaluations (13zb: the solve's accuracy is not what sets
+    # the logistic regression's rate per epoch).
+    "inner30": {"solver": GenericSolver(inner_steps=30)},
     # Both of the two that shortened biglogreg's first epochs (13z): no paper-rule warm-up and the
     # natural rule's constant at a quarter.
     "warmup0_natural0.25": {"warmup_epochs": 0.0, "eta": AutoStepSize(scale=0.25)},
