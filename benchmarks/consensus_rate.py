@@ -13,9 +13,9 @@ their directions included, set the rate. Printed per model: the condition number
 diagonally scaled Hessian ``S^-1/2 F S^-1/2`` (``F = sum_b H_b``, ``S = diag(F)``) and, per
 constant, the error's geometric rate per epoch (epochs 10 to ``--epochs``) and its size after 5
 epochs relative to the optimum's norm. ``--dense`` adds the same with a dense penalty
-``D = F / (c n)`` (a preconditioner the engine does not have). With ``--out``, a CSV and a plot of
-the rate against the constant. ``docs/benchmarks.md`` 13zb compares these with the engine's
-traces.
+``D = F / (c n)``: the engine's on a site that it whitens (:mod:`pyro_pdvi.infer.whitening`,
+since 13zc). With ``--out``, a CSV and a plot of the rate against the constant.
+``docs/benchmarks.md`` 13zb compares these with the engine's traces.
 
 Example::
 
@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from benchmarks.common import floats, names, script_parser, setup_torch  # noqa: E402
 from benchmarks.generic_suite.models import LogisticRegression, NormalScale, Problem, make_problem  # noqa: E402
 from benchmarks.generic_suite.references import compute_reference  # noqa: E402
+from pyro_pdvi.infer.whitening import diagonal_condition as site_condition  # noqa: E402
 
 #: The suite models whose means have a closed-form Hessian here.
 SUPPORTED = ("logreg", "biglogreg", "scale")
@@ -83,11 +84,9 @@ def block_hessians(problem: Problem, params: dict[str, torch.Tensor]) -> torch.T
 
 
 def diagonal_condition(hessians: torch.Tensor) -> float:
-    """The condition number of ``S^-1/2 F S^-1/2``, ``F`` the blocks' sum and ``S`` its diagonal."""
-    total = hessians.sum(0)
-    root = total.diagonal().sqrt()
-    eigenvalues = torch.linalg.eigvalsh(total / root[:, None] / root[None, :])
-    return float(eigenvalues[-1] / eigenvalues[0])
+    """The condition number of ``S^-1/2 F S^-1/2``, ``F`` the blocks' sum and ``S`` its diagonal
+    (what decides whether PDVI whitens a site: :mod:`pyro_pdvi.infer.whitening`)."""
+    return site_condition(hessians.sum(0))
 
 
 def consensus_errors(
@@ -100,7 +99,7 @@ def consensus_errors(
     :param epochs: epochs to run.
     :param seed: seed of the block orders (the targets' draw is fixed).
     :param dense: the penalty ``D = F / (c n)`` with ``F = sum_b H_b`` the whole matrix, not its
-        diagonal (a dense natural preconditioner; the engine's is diagonal).
+        diagonal (a dense natural preconditioner, the engine's on a whitened site).
     :returns: after each epoch, the consensus's distance to the minimiser
         ``(sum_b H_b)^-1 sum_b H_b a_b`` over the minimiser's norm.
     """

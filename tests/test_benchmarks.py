@@ -360,12 +360,14 @@ def test_trace_pdvi_records_every_epoch_and_the_first_epochs_capped_growth(tmp_p
     """On the logistic regression the locations' step sizes grow at the first epoch's last step,
     by at most FISHER_STEP_GROWTH (docs/benchmarks.md 13o); the trace records it there, a row per
     epoch (per step with --every-step) and the CSV. The steps before it may record smaller changes:
-    the first epoch's bound by the mean measured curvature moves with each block measured (13za)."""
+    the first epoch's bound by the mean measured curvature moves with each block measured (13za).
+    Unwhitened: a whitening (13zc) changes the state's step sizes at that step too."""
     from pyro_pdvi.infer.step_sizes import FISHER_STEP_GROWTH
 
     trace = load_script(BENCHMARKS / "trace_pdvi.py")
     out = tmp_path / "trace.csv"
-    rows = trace.main(trace.parse_args(["--model", "logreg", "--epochs", "1", "--out", str(out)]))
+    config = ["--pdvi-config", "unwhitened"]
+    rows = trace.main(trace.parse_args(["--model", "logreg", "--epochs", "1", "--out", str(out), *config]))
     assert [r["epoch"] for r in rows] == [0.0, 1.0]
     *first_steps, event = rows[1]["step_size_changes"].split("; ")
     assert all(not e.startswith("step 20:") for e in first_steps)
@@ -374,7 +376,7 @@ def test_trace_pdvi_records_every_epoch_and_the_first_epochs_capped_growth(tmp_p
     assert rows[1]["rmse_mean"] < rows[0]["rmse_mean"] and rows[1]["h_norm"] > 0
     with open(out) as handle:
         assert len(list(csv.DictReader(handle))) == 2
-    stepwise = trace.main(trace.parse_args(["--model", "logreg", "--epochs", "1", "--every-step"]))
+    stepwise = trace.main(trace.parse_args(["--model", "logreg", "--epochs", "1", "--every-step", *config]))
     assert len(stepwise) == 21 and stepwise[-1]["rmse_mean"] == rows[-1]["rmse_mean"]
 
 

@@ -86,6 +86,8 @@ PDVI_CONFIGS: dict[str, dict] = {
     # The paper's global update with a quarter of the natural constant (13zb: logreg then follows
     # the quadratic model of benchmarks/consensus_rate.py, which the weighted rule hides).
     "paper_natural0.25": {"global_update": "paper", "eta": AutoStepSize(scale=0.25)},
+    # No dense penalty on the small sites, the default before 13zc, for a before/after.
+    "unwhitened": {"eta": AutoStepSize(whiten=False)},
     # Ten times the default short solve's evaluations (13zb: the solve's accuracy is not what sets
     # the logistic regression's rate per epoch).
     "inner30": {"solver": GenericSolver(inner_steps=30)},

@@ -138,6 +138,19 @@ class ConsensusState:
         self.information[block_ids.to(self.duals.device)] = curvature.to(self.information)
         self._count_informing_blocks()
 
+    def set_coordinate_information(self, coordinates: torch.Tensor, curvature: torch.Tensor) -> None:
+        """Replace every block's ``c_bj`` at some coordinates, after a change of coordinates that
+        changed them (:mod:`~pyro_pdvi.infer.whitening`); which coordinates are concentrated is
+        kept (they were found, and acted on, once).
+
+        :param coordinates: the coordinates, ``(k,)``.
+        :param curvature: every block's diagonal curvature there, non-negative, ``(n, k)``.
+        """
+        concentrated = self.concentrated.clone()
+        self.information[:, coordinates.to(self.duals.device)] = curvature.to(self.information)
+        self._count_informing_blocks()
+        self.concentrated = concentrated
+
     def _count_informing_blocks(self) -> None:
         """The totals ``sum_b c_bj``, the blocks measured, and the concentrated coordinates."""
         # Kept, not summed at every step: (n, P) can be large.

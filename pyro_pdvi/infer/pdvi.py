@@ -65,6 +65,7 @@ from .step_sizes import (
     resolve_groups,
 )
 from .upkeep import StepSizeUpkeep
+from .whitening import SiteWhitening
 
 #: Values of ``PDVI(scale_update=...)``.
 SCALE_UPDATES = ("auto", "fixed_point", "primal_dual")
@@ -289,8 +290,11 @@ class PDVI(StepSizeUpkeep):
         self._scales: ScaleFixedPoint | None = None
         self._held: dict[str, torch.Tensor] = {}
         # The coordinates lambda~ = T lambda of the state, once concentrated coordinates are
-        # coupled with shared ones (:mod:`~pyro_pdvi.infer.coupling`); None: the params'.
-        self._coupling: Coupling | None = None
+        # coupled with shared ones (:mod:`~pyro_pdvi.infer.coupling`) or, where none are, once
+        # small sites are whitened (:mod:`~pyro_pdvi.infer.whitening`); None: the params'.
+        self._coupling: Coupling | SiteWhitening | None = None
+        # Whether the sites' whitening was decided (once, when every block is measured).
+        self._whitening_tried = False
         # The blocks that own concentrated coordinates the solve moves, (n,) on the CPU; None
         # while there is no such coordinate.
         self._owns_concentrated: torch.Tensor | None = None
@@ -943,12 +947,20 @@ class PDVI(StepSizeUpkeep):
         concentrated ones (:mod:`~pyro_pdvi.infer.coupling`: an intercept with its groups'
         effects), the sites of those concentrated coordinates. Empty before they are found, or
         where none is coupled."""
-        if self._coupling is None:
+        if not isinstance(self._coupling, Coupling):
             return {}
         pairs: dict[str, set[str]] = {}
         for j, s in zip(self._coupling.rows.tolist(), self._coupling.cols.tolist()):
             pairs.setdefault(self.layout.site_of(s), set()).add(self.layout.site_of(j))
         return {name: sorted(sites) for name, sites in sorted(pairs.items())}
+
+    @property
+    def whitened_sites(self) -> list[str]:
+        """The global sites that have a dense penalty (:mod:`~pyro_pdvi.infer.whitening`): empty
+        before every block is measured, or where none is whitened."""
+        if not isinstance(self._coupling, SiteWhitening):
+            return []
+        return [self.layout.site_of(int(index[0])) for index in self._coupling.coordinates]
 
     @property
     def state(self) -> ConsensusState | None:
@@ -1074,7 +1086,9 @@ class PDVI(StepSizeUpkeep):
             "guard": self._guard.state_dict(),
             "stationarity": self._stationarity.state_dict(),
             "scales": None if self._scales is None else self._scales.state_dict(),
-            "coupling": None if self._coupling is None else self._coupling.state_dict(),
+            "coupling": self._coupling.state_dict() if isinstance(self._coupling, Coupling) else None,
+            "whitening": self._coupling.state_dict() if isinstance(self._coupling, SiteWhitening) else None,
+            "whitening_tried": self._whitening_tried,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1099,10 +1113,16 @@ class PDVI(StepSizeUpkeep):
         if "stationarity" in state:  # absent from checkpoints before the stationarity test
             self._stationarity.load_state_dict(state["stationarity"])
         self._state.load_state_dict(state["consensus_state"])
-        coupling = state.get("coupling")  # absent from checkpoints before couplings
+        coupling, whitening = state.get("coupling"), state.get("whitening")  # absent from older ones
         if coupling is not None:
-            coupling = Coupling.from_state_dict(coupling).to(self._state.consensus)
-        self._coupling = coupling
+            self._coupling = Coupling.from_state_dict(coupling).to(self._state.consensus)
+        elif whitening is not None:
+            self._coupling = SiteWhitening.from_state_dict(whitening).to(self._state.consensus)
+        else:
+            self._coupling = None
+        # A checkpoint from before the whitening, past the first epoch, is not whitened later.
+        every_block_measured = len(self._measured_blocks) == len(self.partition)
+        self._whitening_tried = state.get("whitening_tried", every_block_measured)
         self._rng.set_state(state["rng_state"])
         # Absent from checkpoints before the scales' fixed point: it then starts afresh.
         if "scales" in state:

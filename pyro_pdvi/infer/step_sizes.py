@@ -348,6 +348,13 @@ class AutoStepSize:
         (:func:`diagonal_curvature`).
     :param curvature_blocks: how many blocks are measured (the max is used).
     :param curvature_iterations: power iterations per group and block.
+    :param whiten: under the natural rule, whether the small global sites (2 to
+        :data:`~pyro_pdvi.infer.whitening.MAX_WHITENED_COORDINATES` coordinates) get a dense
+        penalty, ``F_s / (c n)`` with ``F_s`` the blocks' summed Hessian on the site measured at
+        the end of the first epoch (:mod:`~pyro_pdvi.infer.whitening`).
+    :param whitened_scale: the constant ``c`` of the natural rule on a whitened site (a dense
+        penalty's best constant was 0.125-0.25 on every model of ``docs/benchmarks.md`` 13zb's
+        quadratic model).
     :param remeasure_epochs: with the curvature rule, epochs (block visits / n) after which
         every ``"auto"`` group measures its curvature again, at the current ``lambda_0`` and
         local rows, and takes ``eta_j = scale / L_j`` with ``L_j`` the largest curvature
@@ -364,6 +371,8 @@ class AutoStepSize:
     curvature_blocks: int = 4
     curvature_iterations: int = 6
     remeasure_epochs: tuple[float, ...] = ()
+    whiten: bool = True
+    whitened_scale: float = 0.25
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -374,6 +383,11 @@ class AutoStepSize:
             isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not self.scale > 0
         ):
             raise ValueError(f"Invalid scale: {self.scale!r}; use a positive float")
+        if not isinstance(self.whiten, bool):
+            raise ValueError(f"Invalid whiten: {self.whiten!r}; use True or False")
+        scale = self.whitened_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+            raise ValueError(f"Invalid whitened_scale: {scale!r}; use a positive float")
         for name in (
             "fisher_samples",
             "fisher_blocks",

@@ -38,6 +38,7 @@ from .hessian_products import hessian_products
 from .safeguard import RISES
 from .solvers import GenericSolver
 from .step_sizes import diagonal_curvature
+from .whitening import MAX_WHITENED_COORDINATES, measure_whitening, site_hessians
 
 #: Where the model's graph has no usable second derivative, the coupling's Hessian products are
 #: central differences of the gradient with this step, relative to ``1 + max|lambda_0|``: large
@@ -49,6 +50,10 @@ COUPLING_RELATIVE_STEP = 1e-2
 #: The first block's Hessian products by double backward are kept where they are within this
 #: relative distance of central differences of the gradient.
 SECOND_ORDER_TOLERANCE = 0.05
+
+#: The whitening's Hessian of a block of more data is estimated from this many of them
+#: (:meth:`StepSizeUpkeep._whiten_sites`): its cost then does not grow with the block.
+WHITENING_ROWS = 64
 
 
 class KeptBlockHessians:
@@ -189,6 +194,7 @@ class StepSizeUpkeep:
             self._pass_over_every_block(args, kwargs)
         self._find_owners_of_concentrated()
         if len(self._measured_blocks) == len(self.partition):
+            self._whiten_sites(args, kwargs)
             self._first_step_args.clear()
         if not self._step_sizes.natural or not len(ids):
             return False
@@ -301,8 +307,79 @@ class StepSizeUpkeep:
         self._stationarity.change_coordinates(coupling.to(torch.zeros((), dtype=torch.float64)).forward)
         self._write_consensus()
 
+    def _may_whiten(self) -> bool:
+        """Whether the small sites would be whitened once every block is measured
+        (:meth:`_whiten_sites`)."""
+        return (
+            self.auto_step_size.whiten
+            and self._step_sizes.natural
+            and self._coupling is None
+            and not self._shares_steps
+            and isinstance(self.solver, GenericSolver)
+        )
+
+    def _whiten_sites(self, args: tuple, kwargs: dict) -> None:
+        """Once, when every block is measured: give each small site a dense penalty
+        (:mod:`~pyro_pdvi.infer.whitening`) and carry the state into its coordinates. Only the
+        generic solver's, in one process, where no coordinates are coupled, and only coordinates
+        under the natural rule that the solves move (not a held scale), that many blocks inform
+        (not a concentrated one): a site of 2 to ``MAX_WHITENED_COORDINATES`` of them. Each
+        block's Hessian is measured at ``lambda_0``, on at most :data:`WHITENING_ROWS` of its data
+        (all of them where the model does not take a subset)."""
+        if self._whitening_tried:
+            return
+        self._whitening_tried = True
+        if not self._may_whiten():
+            return
+        state = self._state
+        eligible = self._not_held(self._step_sizes.natural_coordinates().to(state.concentrated.device))
+        eligible &= ~state.concentrated & (state.information_total > 0)
+        eligible = eligible.cpu()
+        every_coordinate = torch.arange(state.consensus.numel())
+        coordinates = [every_coordinate[span][eligible[span]] for span in self.layout.slices.values()]
+        coordinates = [c for c in coordinates if 2 <= len(c) <= MAX_WHITENED_COORDINATES]
+        if not coordinates:
+            return
+        seed = self._side_seed(-6)
+
+        def products(b: int, directions: torch.Tensor) -> torch.Tensor:
+            block_args, block_kwargs = self._first_step_args.get(b, (args, kwargs))
+            try:
+                measured = self._block_hessian_products(
+                    b, block_args, block_kwargs, seed + b, max_rows=WHITENING_ROWS
+                )(directions)
+            except (RuntimeError, ValueError):  # a model that cannot take a subset of a block
+                measured = self._block_hessian_products(b, block_args, block_kwargs, seed + b)(directions)
+            return measured
+
+        with self._objective.one_off():
+            coordinates, hessians = site_hessians(products, len(self.partition), coordinates, state.consensus)
+        if not coordinates or not bool(torch.isfinite(hessians).all()):
+            return
+        candidates = torch.cat(coordinates)
+        auto = self.auto_step_size
+        size = state.consensus.numel()
+        whitening = measure_whitening(hessians, coordinates, size, auto.whitened_scale / auto.scale)
+        if whitening is None:
+            return
+        self._coupling = whitening.to(state.consensus)
+        state.change_coordinates(self._coupling.forward, self._coupling.dual_forward, self._rule_step_sizes())
+        self._stationarity.change_coordinates(whitening.to(torch.zeros((), dtype=torch.float64)).forward)
+        # The weighted update's block weights, in the new coordinates.
+        position = {int(c): i for i, c in enumerate(candidates)}
+        kept = torch.tensor([position[int(c)] for c in whitening.whitened])
+        curvature = whitening.curvature_diagonal(hessians[:, kept][:, :, kept]).abs()
+        state.set_coordinate_information(whitening.whitened, curvature)
+        self._write_consensus()
+
     def _block_hessian_products(
-        self, b: int, args: tuple, kwargs: dict, seed: int, relative_step: float | None = None
+        self,
+        b: int,
+        args: tuple,
+        kwargs: dict,
+        seed: int,
+        relative_step: float | None = None,
+        max_rows: int | None = None,
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """``V -> V H_b``, block ``b``'s Hessian in the globals at ``lambda_0`` times each row of
         ``V`` (``(k, P)``), at the noise of ``seed`` and the block's rows: by double backward
@@ -310,8 +387,15 @@ class StepSizeUpkeep:
         costs one batched backward pass, not a model call:
         :func:`~pyro_pdvi.infer.hessian_products.hessian_products`; drop the function to free the
         graph), or where the model's graph has no second derivative by central differences of the
-        gradient, their step ``relative_step`` times ``1 + max|lambda_0|`` (default ``sqrt(eps)``)."""
+        gradient, their step ``relative_step`` times ``1 + max|lambda_0|`` (default ``sqrt(eps)``).
+        With ``max_rows``, a block of more data is estimated from that many of them, drawn at
+        random (by ``seed``), their data term scaled up to the block's (an unbiased estimate)."""
         indices = self.partition.stacked(torch.tensor([b]), self.device)
+        weight = 1.0
+        if max_rows is not None and indices.shape[-1] > max_rows:
+            chosen = torch.randperm(indices.shape[-1], generator=torch.Generator().manual_seed(seed))
+            weight = indices.shape[-1] / max_rows
+            indices = indices[:, chosen[:max_rows].sort().values.to(indices.device)]
         losses = self._objective.bind(indices, [seed], args, kwargs)
         rows = self._params.rows(indices)
         consensus = self._consensus_params.detach()
@@ -319,7 +403,8 @@ class StepSizeUpkeep:
         def gradient_at(point: torch.Tensor, create_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
             point = point.detach().requires_grad_()
             copies = {k: v.unsqueeze(0) for k, v in self.layout.unflatten(point).items()}
-            (gradient,) = torch.autograd.grad(losses(copies, rows).sum(), point, create_graph=create_graph)
+            loss = weight * losses(copies, rows).sum()
+            (gradient,) = torch.autograd.grad(loss, point, create_graph=create_graph)
             return point, gradient
 
         graph: list[torch.Tensor] = []  # the point and its gradient, built on the first call

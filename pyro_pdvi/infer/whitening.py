@@ -1,0 +1,252 @@
+"""A dense preconditioner per global site: PD-VI in coordinates that whiten each small site's
+curvature.
+
+The natural rule's penalty ``D = diag(F_j / (c n))`` (:mod:`~pyro_pdvi.infer.step_sizes`; the
+paper's ``D`` of P2D-VI [1, Sec. 3.4] per coordinate) sees
+each coordinate's curvature but not how coordinates are tied: the regression coefficients of
+correlated covariates. The consensus iteration then contracts at the pace of the conditioning that
+the diagonal leaves, ``kappa`` of ``S^-1/2 F S^-1/2`` (``F = sum_b H_b``, ``S = diag(F)``). On a
+quadratic model of the generic suite's regressions (``benchmarks/consensus_rate.py``,
+``docs/benchmarks.md`` 13zb) a dense penalty ``D = F / (c n)`` took the rate per epoch from
+0.75-0.94 (diagonal, ``c = 1``) to 0.42-0.52 (dense, ``c = 0.125-0.25``) on all three models,
+with the best constant the same on all of them, where the diagonal's best moved with ``kappa``.
+
+A dense ``D`` is a diagonal one in other coordinates. With ``F_s = U' Delta U`` (``U`` unit upper
+triangular, ``Delta`` diagonal: the Cholesky factor with its diagonal divided out), the map
+``lambda~_s = U lambda_s`` on a site's coordinates makes the blocks' summed Hessian ``Delta``, so
+the natural rule's diagonal penalty there, ``Delta / (c n)``, is ``F_s / (c n)`` in the params.
+The state (consensus, copies, duals) moves to ``lambda~`` as for the coupling of
+:mod:`~pyro_pdvi.infer.coupling`, by the same
+:meth:`~pyro_pdvi.infer.consensus.ConsensusState.change_coordinates`; a linear bijection keeps the
+fixed point. A whitened coordinate's step size is the natural rule's times ``F_jj / Delta_j``
+(its curvature with the site's earlier coordinates held fixed is ``Delta_j``, not ``F_jj``), times
+``whitened_scale / scale``: the constant of :class:`~pyro_pdvi.infer.step_sizes.AutoStepSize`
+that a dense penalty takes.
+
+``F_s`` is measured once, when every block has had its first step (at the end of the first
+epoch), from every block's Hessian products with the unit vectors of the candidate coordinates at
+one ``lambda_0`` (a large block's from a random subset of its data:
+:data:`~pyro_pdvi.infer.upkeep.WHITENING_ROWS`): :func:`site_hessians`. A site is whitened where
+:func:`measure_whitening` finds ``F_s`` positive definite and a diagonal penalty leaves it at least
+:data:`MIN_WHITENED_CONDITION` ill-conditioned. The Hessian moves as the fit does; ``U`` does not
+follow it (a stale ``U`` is a weaker preconditioner, not a wrong one).
+
+[1] Lyu, Yu, Ma, Shi (2026), arXiv:2602.07632.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .coupling import unit_vectors
+
+#: A site is whitened where it has at least 2 and at most this many coordinates to whiten: the
+#: measurement takes one Hessian product per coordinate and block, and ``U`` is dense.
+MAX_WHITENED_COORDINATES = 64
+
+#: A site is whitened where the diagonal penalty leaves its curvature at least this ill-conditioned
+#: (:func:`diagonal_condition`). Measured on the generic suite at the first epoch's end: 94 for the
+#: logistic regression, 109 the overdispersed one, 17 the one of 100,000 rows and 419 the scale
+#: regression, all faster whitened (``docs/benchmarks.md`` 13zc); the GMM's cluster means 1.0
+#: (their Hessian is diagonal), where a whitening changes only the constant, to ``whitened_scale``,
+#: and its W2 was 2.1-2.4x further after 3-4 epochs.
+MIN_WHITENED_CONDITION = 10.0
+
+#: :func:`site_hessians` measures this many blocks before the others, and those only for the
+#: sites whose sum over these is not already round: the GMM's cluster means, whose Hessian is
+#: diagonal, are then measured on 4 of its 100 blocks.
+FIRST_BLOCKS = 4
+
+#: A whitened coordinate's step size grows by at most this factor (``F_jj / Delta_j``), so that a
+#: near-singular ``F_s`` (a direction the data barely fix) cannot make it unbounded.
+MAX_STEP_GROWTH = 1000.0
+
+
+class SiteWhitening:
+    """The linear map ``lambda~ = T lambda`` of the module docstring: ``T`` is the identity but on
+    each whitened site's coordinates, where it is that site's ``U``.
+
+    :param coordinates: each whitened site's flat coordinates, a list of ``(k_s,)`` LongTensors.
+    :param factors: each site's ``U``, unit upper triangular, ``(k_s, k_s)``.
+    :param step_growth: per coordinate, the factor on its step size in ``lambda~`` (1 where not
+        whitened), shape ``(P,)``.
+    """
+
+    def __init__(
+        self, coordinates: list[torch.Tensor], factors: list[torch.Tensor], step_growth: torch.Tensor
+    ) -> None:
+        self.coordinates = coordinates
+        self.factors = factors
+        self.inverses = [
+            torch.linalg.solve_triangular(u, torch.eye(len(u), dtype=u.dtype, device=u.device), upper=True)
+            for u in factors
+        ]
+        self.step_growth = step_growth
+        # Each site's coordinates as a slice where they are contiguous (AutoNormal's locations of a
+        # site are), ordered: the map then concatenates pieces rather than writing into a clone,
+        # whose backward costs more on the solve's small tensors.
+        spans = [(int(c[0]), int(c[-1]) + 1) for c in coordinates]
+        contiguous = all(stop - start == len(c) for (start, stop), c in zip(spans, coordinates))
+        ordered = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        self._spans = spans if contiguous and ordered else None
+
+    def to(self, like: torch.Tensor) -> SiteWhitening:
+        """The same map with tensors on ``like``'s device (matrices in its dtype)."""
+        return SiteWhitening(
+            [c.to(like.device) for c in self.coordinates],
+            [u.to(like) for u in self.factors],
+            self.step_growth.to(like),
+        )
+
+    def _mapped(self, x: torch.Tensor, matrices: list[torch.Tensor], transpose: bool) -> torch.Tensor:
+        """``x`` with each site's coordinates multiplied by its matrix (or its transpose)."""
+        if self._spans is None:
+            out = x.clone()
+            for index, matrix in zip(self.coordinates, matrices):
+                out[..., index] = x[..., index] @ (matrix.to(x) if transpose else matrix.to(x).T)
+            return out
+        pieces, end = [], 0
+        for (start, stop), matrix in zip(self._spans, matrices):
+            pieces.append(x[..., end:start])
+            pieces.append(x[..., start:stop] @ (matrix.to(x) if transpose else matrix.to(x).T))
+            end = stop
+        pieces.append(x[..., end:])
+        return torch.cat(pieces, dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``T x`` along the last axis: a point, a copy or a difference of them."""
+        return self._mapped(x, self.factors, transpose=False)
+
+    def inverse(self, x: torch.Tensor) -> torch.Tensor:
+        """``T^{-1} x``: the params of a point in ``lambda~``."""
+        return self._mapped(x, self.inverses, transpose=False)
+
+    def dual_forward(self, mu: torch.Tensor) -> torch.Tensor:
+        """``T^{-T} mu``: a dual (or gradient) in ``lambda~``."""
+        return self._mapped(mu, self.inverses, transpose=True)
+
+    def dual_inverse(self, mu: torch.Tensor) -> torch.Tensor:
+        """``T^T mu~``: a dual of ``lambda~`` as a gradient in the params."""
+        return self._mapped(mu, self.factors, transpose=True)
+
+    def curvature_diagonal(self, hessians: torch.Tensor) -> torch.Tensor:
+        """The diagonal of ``T^{-T} H_b T^{-1}`` at the whitened coordinates, for blocks' Hessians
+        ``hessians`` on those coordinates (``(n, k, k)``, the sites in order): each block's
+        curvature in ``lambda~``, shape ``(n, k)``."""
+        out, start = [], 0
+        for inverse in self.inverses:
+            k = len(inverse)
+            block = hessians[:, start : start + k, start : start + k]
+            out.append(torch.einsum("ij,bik,kj->bj", inverse.to(hessians), block, inverse.to(hessians)))
+            start += k
+        return torch.cat(out, dim=1)
+
+    @property
+    def whitened(self) -> torch.Tensor:
+        """Every whitened coordinate, flat, in the sites' order."""
+        return torch.cat(self.coordinates)
+
+    def state_dict(self) -> dict[str, list[torch.Tensor] | torch.Tensor]:
+        """The map's tensors, for :meth:`from_state_dict` (a PDVI checkpoint keeps them)."""
+        return {"coordinates": self.coordinates, "factors": self.factors, "step_growth": self.step_growth}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> SiteWhitening:
+        """The map saved by :meth:`state_dict`."""
+        return cls(state["coordinates"], state["factors"], state["step_growth"])
+
+
+def diagonal_condition(matrix: torch.Tensor) -> float:
+    """The condition number of ``S^-1/2 F S^-1/2`` (``S = diag(F)``) of a symmetric ``F``: how far
+    a diagonal penalty leaves the curvature from round; infinite where ``F`` is not positive
+    definite (or not finite)."""
+    diagonal = matrix.diagonal()
+    if not bool(torch.isfinite(matrix).all() and (diagonal > 0).all()):
+        return float("inf")
+    root = diagonal.sqrt()
+    eigenvalues = torch.linalg.eigvalsh(matrix / root[:, None] / root[None, :])
+    return float(eigenvalues[-1] / eigenvalues[0]) if eigenvalues[0] > 0 else float("inf")
+
+
+def measure_whitening(
+    hessians: torch.Tensor,
+    coordinates: list[torch.Tensor],
+    size: int,
+    scale_factor: float,
+) -> SiteWhitening | None:
+    """The whitening of the sites whose summed Hessian is positive definite and at least
+    :data:`MIN_WHITENED_CONDITION` ill-conditioned for a diagonal penalty.
+
+    :param hessians: every block's Hessian on the candidate coordinates, the sites in order,
+        ``(n, k, k)`` (``k = sum_s k_s``), symmetric up to rounding.
+    :param coordinates: each candidate site's flat coordinates.
+    :param size: ``P``, the number of global coordinates.
+    :param scale_factor: ``whitened_scale / scale``, on every whitened coordinate's step size.
+    :returns: the map, or ``None`` where no site qualifies.
+    """
+    total = hessians.sum(0)
+    total = (total + total.T) / 2
+    kept, factors = [], []
+    growth = total.new_ones(size)
+    start = 0
+    for index in coordinates:
+        k = len(index)
+        block = total[start : start + k, start : start + k]
+        start += k
+        factor, info = torch.linalg.cholesky_ex(block)
+        if int(info) != 0 or not bool(torch.isfinite(factor).all()):
+            continue  # not positive definite here (a non-convex spot): the site stays diagonal
+        if diagonal_condition(block) < MIN_WHITENED_CONDITION:
+            continue  # the diagonal penalty already sees this site's curvature
+        pivots = factor.diagonal()
+        kept.append(index)
+        factors.append(factor.T / pivots[:, None])
+        growth[index.to(growth.device)] = scale_factor * (block.diagonal() / pivots.square()).clamp(
+            max=MAX_STEP_GROWTH
+        )
+    if not kept:
+        return None
+    return SiteWhitening(kept, factors, growth)
+
+
+def site_hessians(
+    products: Callable[[int, torch.Tensor], torch.Tensor],
+    num_blocks: int,
+    coordinates: list[torch.Tensor],
+    like: torch.Tensor,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every block's Hessian on the candidate sites' coordinates, from its products with their
+    unit vectors; first on :data:`FIRST_BLOCKS` blocks, and then on the others only for the sites
+    whose sum over those a diagonal penalty does not already leave round
+    (:data:`MIN_WHITENED_CONDITION`).
+
+    :param products: ``(b, V) -> V H_b`` for directions ``V`` of shape ``(k, P)``.
+    :param num_blocks: n.
+    :param coordinates: each candidate site's flat coordinates.
+    :param like: a tensor whose last size is ``P``, whose dtype and device the directions take.
+    :returns: the sites still candidates, and every block's Hessian on their coordinates (the
+        sites in order), ``(n, k, k)``, float64 on the host.
+    """
+
+    def measure(b: int, sites: list[torch.Tensor]) -> torch.Tensor:
+        index = torch.cat(sites)
+        found = products(b, unit_vectors(like, index))
+        return found[:, index.to(found.device)].to("cpu", torch.float64)
+
+    first = min(FIRST_BLOCKS, num_blocks)
+    early = torch.stack([measure(b, coordinates) for b in range(first)])
+    total, kept, positions, start = early.sum(0), [], [], 0
+    for index in coordinates:
+        span = torch.arange(start, start + len(index))
+        start += len(index)
+        if diagonal_condition(total[span][:, span]) >= MIN_WHITENED_CONDITION:
+            kept.append(index)
+            positions.append(span)
+    if not kept:
+        return [], early[:, :0, :0]
+    span = torch.cat(positions)
+    early = early[:, span][:, :, span]
+    rest = [measure(b, kept) for b in range(first, num_blocks)]
+    return kept, torch.cat([early, torch.stack(rest)]) if rest else early

@@ -1,0 +1,228 @@
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_pdvi import PDVI, AutoStepSize
+from pyro_pdvi.infer import upkeep
+from pyro_pdvi.infer.consensus import ConsensusState
+from pyro_pdvi.infer.whitening import (
+    FIRST_BLOCKS,
+    SiteWhitening,
+    diagonal_condition,
+    measure_whitening,
+    site_hessians,
+)
+
+
+def _spd(size: int, seed: int, correlation: float = 0.9) -> torch.Tensor:
+    """A positive definite matrix whose coordinates are tied (equicorrelated, scaled)."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.rand(size, generator=g, dtype=torch.float64) + 0.5
+    tied = (1 - correlation) * torch.eye(size, dtype=torch.float64) + correlation
+    return scales[:, None] * tied * scales[None, :]
+
+
+def _map() -> tuple[SiteWhitening, torch.Tensor, torch.Tensor]:
+    """A whitening of coordinates (1, 2, 3) and (5, 6) of 7, and the matrix T."""
+    hessians = torch.stack([_spd(5, b) for b in range(3)])
+    coordinates = [torch.tensor([1, 2, 3]), torch.tensor([5, 6])]
+    whitening = measure_whitening(hessians, coordinates, 7, scale_factor=0.5)
+    t = torch.eye(7, dtype=torch.float64)
+    t[1:4, 1:4] = whitening.factors[0]
+    t[5:7, 5:7] = whitening.factors[1]
+    return whitening, t, hessians
+
+
+def test_whitening_is_the_linear_map_T_and_its_inverse_and_transposes():
+    whitening, t, _ = _map()
+    x = torch.randn(3, 7, dtype=torch.float64)
+    assert torch.allclose(whitening.forward(x), x @ t.T)
+    assert torch.allclose(whitening.inverse(whitening.forward(x)), x)
+    assert torch.allclose(whitening.dual_forward(x), x @ torch.linalg.inv(t))  # rows of T^{-T} x
+    assert torch.allclose(whitening.dual_inverse(whitening.dual_forward(x)), x)
+    mu = torch.randn(7, dtype=torch.float64)
+    assert torch.allclose(whitening.dual_forward(mu) @ whitening.forward(x[0]), mu @ x[0])
+
+
+def test_the_summed_hessian_is_diagonal_in_the_new_coordinates():
+    """``T^{-T} F T^{-1} = Delta`` on each site, ``U`` unit upper triangular, and the step sizes
+    grow by ``scale_factor * F_jj / Delta_j``; coordinates outside the sites keep theirs."""
+    whitening, _, hessians = _map()
+    total = hessians.sum(0)
+    start = 0
+    for index, factor, inverse in zip(whitening.coordinates, whitening.factors, whitening.inverses):
+        k = len(index)
+        block = total[start : start + k, start : start + k]
+        start += k
+        assert torch.allclose(factor.diagonal(), torch.ones(k, dtype=torch.float64))
+        assert torch.equal(factor, factor.triu())
+        whitened = inverse.T @ block @ inverse
+        delta = whitened.diagonal()
+        assert torch.allclose(whitened, torch.diag(delta), atol=1e-12)
+        assert torch.allclose(whitening.step_growth[index], 0.5 * block.diagonal() / delta)
+    assert torch.equal(whitening.step_growth[[0, 4]], torch.ones(2, dtype=torch.float64))
+    # Each block's curvature in the new coordinates, for the weighted update's weights.
+    per_block = whitening.curvature_diagonal(hessians)
+    assert torch.allclose(
+        per_block.sum(0)[:3], (whitening.inverses[0].T @ total[:3, :3] @ whitening.inverses[0]).diagonal()
+    )
+
+
+def test_sites_that_are_round_or_not_positive_definite_stay_diagonal():
+    round_site = torch.diag(torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64))
+    assert diagonal_condition(round_site) == pytest.approx(1.0)
+    assert measure_whitening(round_site[None], [torch.tensor([0, 1, 2])], 3, 1.0) is None
+    indefinite = _spd(2, 0) - 2 * torch.eye(2, dtype=torch.float64)
+    assert diagonal_condition(indefinite) == float("inf")
+    hessians = torch.zeros(1, 4, 4, dtype=torch.float64)
+    hessians[0, :2, :2] = indefinite
+    hessians[0, 2:, 2:] = _spd(2, 1, correlation=0.99)
+    whitening = measure_whitening(hessians, [torch.tensor([0, 1]), torch.tensor([2, 3])], 4, 1.0)
+    assert [c.tolist() for c in whitening.coordinates] == [[2, 3]]
+
+
+def test_only_the_sites_that_the_first_blocks_leave_ill_conditioned_are_measured_on_all():
+    """Site (0, 1, 2) has diagonal block Hessians, site (3, 4) tied ones: after the first
+    FIRST_BLOCKS blocks only the latter's unit vectors are asked for, and its Hessians come back
+    whole."""
+    hessians = torch.zeros(6, 5, 5, dtype=torch.float64)
+    for b in range(6):
+        hessians[b, :3, :3] = torch.diag(torch.rand(3, dtype=torch.float64) + 1)
+        hessians[b, 3:, 3:] = _spd(2, b, correlation=0.99)
+    asked = []
+
+    def products(b, directions):
+        asked.append((b, directions.nonzero()[:, 1].tolist()))
+        return directions @ hessians[b]
+
+    sites = [torch.tensor([0, 1, 2]), torch.tensor([3, 4])]
+    kept, measured = site_hessians(products, 6, sites, torch.zeros(5, dtype=torch.float64))
+    assert [c.tolist() for c in kept] == [[3, 4]]
+    assert asked == [(b, [0, 1, 2, 3, 4]) for b in range(FIRST_BLOCKS)] + [
+        (b, [3, 4]) for b in range(FIRST_BLOCKS, 6)
+    ]
+    assert torch.equal(measured, hessians[:, 3:, 3:])
+    assert site_hessians(products, 6, sites[:1], torch.zeros(5, dtype=torch.float64))[0] == []
+
+
+def test_change_of_coordinates_keeps_the_point_without_h_and_the_duals_pairing():
+    whitening, _, _ = _map()
+    state = ConsensusState(torch.randn(7, dtype=torch.float64), num_blocks=3, step_sizes=torch.rand(7) + 0.5)
+    for b in range(3):
+        state.apply(state.propose(torch.tensor([b]), torch.randn(1, 7, dtype=torch.float64)))
+    before, duals = state.consensus - state.h, state.duals.clone()
+    state.change_coordinates(
+        whitening.forward, whitening.dual_forward, torch.rand(7, dtype=torch.float64) + 0.5
+    )
+    assert torch.allclose(whitening.inverse(state.consensus - state.h), before)
+    assert torch.allclose(whitening.dual_inverse(state.duals), duals)
+
+
+class CorrelatedRegression:
+    """``y = X w + noise``, ``w ~ N(0, I)``, covariates correlated 0.95, blocks sorted by the first
+    covariate: the posterior is Gaussian, so the mean-field optimum's means are its means exactly."""
+
+    def __init__(self, num_data: int = 120, dim: int = 4, num_blocks: int = 6, sigma: float = 1.0) -> None:
+        g = torch.Generator().manual_seed(0)
+        tied = 0.05 * torch.eye(dim, dtype=torch.float64) + 0.95
+        self.x = torch.randn(num_data, dim, generator=g, dtype=torch.float64) @ torch.linalg.cholesky(tied).T
+        w = torch.linspace(-1, 1, dim, dtype=torch.float64)
+        self.y = self.x @ w + sigma * torch.randn(num_data, generator=g, dtype=torch.float64)
+        self.sigma, self.dim = sigma, dim
+        order = self.x[:, 0].argsort()
+        self.blocks = [chunk.sort().values for chunk in order.tensor_split(num_blocks)]
+        precision = self.x.T @ self.x / sigma**2 + torch.eye(dim, dtype=torch.float64)
+        self.mean = torch.linalg.solve(precision, self.x.T @ self.y / sigma**2)
+
+    def model(self, idx: torch.Tensor) -> None:
+        w = pyro.sample("w", dist.Normal(torch.zeros(self.dim, dtype=torch.float64), 1.0).to_event(1))
+        with pyro.plate("data", len(self.y), subsample=idx) as ind:
+            pyro.sample("y", dist.Normal((self.x[ind] * w).sum(-1), self.sigma), obs=self.y[ind])
+
+
+def _fit(problem: CorrelatedRegression, epochs: int, whiten: bool, seed: int = 0) -> PDVI:
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    guide = AutoNormal(problem.model)
+    pdvi = PDVI(problem.model, guide, pyro.optim.Adam({}), Trace_ELBO(), blocks=problem.blocks,
+                eta=AutoStepSize(whiten=whiten))  # fmt: skip
+    order = torch.Generator().manual_seed(seed + 1)
+    for _ in range(epochs):
+        for b in torch.randperm(len(problem.blocks), generator=order).tolist():
+            pdvi.step(problem.blocks[b])
+    return pdvi
+
+
+def _error(problem: CorrelatedRegression) -> float:
+    return float((pyro.param("AutoNormal.locs.w").detach() - problem.mean).abs().max())
+
+
+def test_pdvi_whitens_a_tied_site_and_reaches_the_mean_field_optimum_faster():
+    """Whitened, the means reach the exact posterior means (the fixed point is unchanged), and
+    after 6 epochs they are 10x closer than with the diagonal penalty, over three seeds (measured
+    on seed 0, the largest error of a mean: whitened 0.017 after 6 epochs and 1.3e-6 after 30,
+    diagonal 0.46 and 0.0095; kappa of the diagonally scaled Hessian 79)."""
+    problem = CorrelatedRegression()
+    whitened, diagonal = [], []
+    for seed in range(3):
+        pdvi = _fit(problem, 6, whiten=True, seed=seed)
+        assert pdvi.whitened_sites == ["AutoNormal.locs.w"]
+        # The param store holds the params, T^{-1} of the state's coordinates (the scales are held
+        # at their fixed point).
+        locs = pdvi.layout.slices["AutoNormal.locs.w"]
+        estimate = pdvi._coupling.inverse(pdvi.state.estimate())
+        assert torch.allclose(pyro.param("AutoNormal.locs.w").detach(), estimate[locs])
+        assert not torch.allclose(estimate[locs], pdvi.state.estimate()[locs])
+        whitened.append(_error(problem))
+        assert _fit(problem, 6, whiten=False, seed=seed).whitened_sites == []
+        diagonal.append(_error(problem))
+    assert max(whitened) < 0.1 * min(diagonal)
+    _fit(problem, 40, whiten=True)
+    assert _error(problem) < 1e-6
+
+
+def test_a_resumed_whitened_run_continues_as_the_uninterrupted_one():
+    problem = CorrelatedRegression()
+
+    def run(split: bool) -> torch.Tensor:
+        pdvi = _fit(problem, 2, whiten=True)
+        assert pdvi.whitened_sites
+        if split:
+            state, params = pdvi.state_dict(), pyro.get_param_store().get_state()
+            pyro.clear_param_store()
+            pyro.get_param_store().set_state(params)
+            resumed = PDVI(problem.model, AutoNormal(problem.model), pyro.optim.Adam({}), Trace_ELBO(),
+                           blocks=problem.blocks)  # fmt: skip
+            resumed.load_state_dict(state)
+            pdvi = resumed
+        order = torch.Generator().manual_seed(5)
+        for b in torch.randperm(len(problem.blocks), generator=order).tolist():
+            pdvi.step(problem.blocks[b])
+        assert pdvi.whitened_sites == ["AutoNormal.locs.w"]
+        return pyro.param("AutoNormal.locs.w").detach().clone()
+
+    assert torch.equal(run(split=False), run(split=True))
+
+
+def test_a_block_larger_than_the_rows_measured_is_estimated_from_a_subset(monkeypatch):
+    """With blocks of 20 data and the Hessian measured on 8 of each, the sites are still whitened
+    and the fixed point is the same (the estimate only preconditions)."""
+    problem = CorrelatedRegression()
+    whole = _fit(problem, 1, whiten=True)._coupling.factors[0]
+    monkeypatch.setattr(upkeep, "WHITENING_ROWS", 8)
+    pdvi = _fit(problem, 40, whiten=True)
+    assert pdvi.whitened_sites == ["AutoNormal.locs.w"]
+    assert not torch.allclose(pdvi._coupling.factors[0], whole)  # measured on the subsets
+    assert torch.allclose(pdvi._coupling.factors[0], whole, atol=0.5)
+    assert _error(problem) < 1e-6
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), "0.25", True])
+def test_whitened_scale_must_be_a_positive_float(bad):
+    with pytest.raises(ValueError, match="whitened_scale"):
+        AutoStepSize(whitened_scale=bad)
+    with pytest.raises(ValueError, match="whiten"):
+        AutoStepSize(whiten="yes")
