@@ -351,7 +351,8 @@ class AutoStepSize:
     :param whiten: under the natural rule, whether the small global sites (2 to
         :data:`~pyro_pdvi.infer.whitening.MAX_WHITENED_COORDINATES` coordinates) get a dense
         penalty, ``F_s / (c n)`` with ``F_s`` the blocks' summed Hessian on the site measured at
-        the end of the first epoch (:mod:`~pyro_pdvi.infer.whitening`).
+        the end of the first epoch, where a diagonal one leaves ``F_s`` ill-conditioned
+        (:mod:`~pyro_pdvi.infer.whitening`).
     :param whitened_scale: the constant ``c`` of the natural rule on a whitened site (a dense
         penalty's best constant was 0.125-0.25 on every model of ``docs/benchmarks.md`` 13zb's
         quadratic model).

@@ -17,7 +17,7 @@ from pyro_pdvi.infer.whitening import (
 )
 
 
-def _spd(size: int, seed: int, correlation: float = 0.9) -> torch.Tensor:
+def _spd(size: int, seed: int, correlation: float = 0.99) -> torch.Tensor:
     """A positive definite matrix whose coordinates are tied (equicorrelated, scaled)."""
     g = torch.Generator().manual_seed(seed)
     scales = torch.rand(size, generator=g, dtype=torch.float64) + 0.5
@@ -79,7 +79,7 @@ def test_sites_that_are_round_or_not_positive_definite_stay_diagonal():
     assert diagonal_condition(indefinite) == float("inf")
     hessians = torch.zeros(1, 4, 4, dtype=torch.float64)
     hessians[0, :2, :2] = indefinite
-    hessians[0, 2:, 2:] = _spd(2, 1, correlation=0.99)
+    hessians[0, 2:, 2:] = _spd(2, 1, correlation=0.999)
     whitening = measure_whitening(hessians, [torch.tensor([0, 1]), torch.tensor([2, 3])], 4, 1.0)
     assert [c.tolist() for c in whitening.coordinates] == [[2, 3]]
 
@@ -91,7 +91,7 @@ def test_only_the_sites_that_the_first_blocks_leave_ill_conditioned_are_measured
     hessians = torch.zeros(6, 5, 5, dtype=torch.float64)
     for b in range(6):
         hessians[b, :3, :3] = torch.diag(torch.rand(3, dtype=torch.float64) + 1)
-        hessians[b, 3:, 3:] = _spd(2, b, correlation=0.99)
+        hessians[b, 3:, 3:] = (b + 1) * _spd(2, 0, correlation=0.99)
     asked = []
 
     def products(b, directions):
