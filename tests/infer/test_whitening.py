@@ -125,7 +125,9 @@ class CorrelatedRegression:
     """``y = X w + noise``, ``w ~ N(0, I)``, covariates correlated 0.95, blocks sorted by the first
     covariate: the posterior is Gaussian, so the mean-field optimum's means are its means exactly."""
 
-    def __init__(self, num_data: int = 120, dim: int = 4, num_blocks: int = 6, sigma: float = 1.0) -> None:
+    def __init__(
+        self, num_data: int = 120, dim: int = 4, num_blocks: int = 6, sigma: float = 1.0, device: str = "cpu"
+    ) -> None:
         g = torch.Generator().manual_seed(0)
         tied = 0.05 * torch.eye(dim, dtype=torch.float64) + 0.95
         self.x = torch.randn(num_data, dim, generator=g, dtype=torch.float64) @ torch.linalg.cholesky(tied).T
@@ -136,14 +138,16 @@ class CorrelatedRegression:
         self.blocks = [chunk.sort().values for chunk in order.tensor_split(num_blocks)]
         precision = self.x.T @ self.x / sigma**2 + torch.eye(dim, dtype=torch.float64)
         self.mean = torch.linalg.solve(precision, self.x.T @ self.y / sigma**2)
+        self.x, self.y = self.x.to(device), self.y.to(device)
+        self.blocks = [block.to(device) for block in self.blocks]
 
     def model(self, idx: torch.Tensor) -> None:
-        w = pyro.sample("w", dist.Normal(torch.zeros(self.dim, dtype=torch.float64), 1.0).to_event(1))
+        w = pyro.sample("w", dist.Normal(self.x.new_zeros(self.dim), 1.0).to_event(1))
         with pyro.plate("data", len(self.y), subsample=idx) as ind:
             pyro.sample("y", dist.Normal((self.x[ind] * w).sum(-1), self.sigma), obs=self.y[ind])
 
 
-def _fit(problem: CorrelatedRegression, epochs: int, whiten: bool, seed: int = 0) -> PDVI:
+def fit(problem: CorrelatedRegression, epochs: int, whiten: bool, seed: int = 0) -> PDVI:
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     guide = AutoNormal(problem.model)
@@ -156,8 +160,8 @@ def _fit(problem: CorrelatedRegression, epochs: int, whiten: bool, seed: int = 0
     return pdvi
 
 
-def _error(problem: CorrelatedRegression) -> float:
-    return float((pyro.param("AutoNormal.locs.w").detach() - problem.mean).abs().max())
+def error(problem: CorrelatedRegression) -> float:
+    return float((pyro.param("AutoNormal.locs.w").detach().cpu() - problem.mean).abs().max())
 
 
 def test_pdvi_whitens_a_tied_site_and_reaches_the_mean_field_optimum_faster():
@@ -168,7 +172,7 @@ def test_pdvi_whitens_a_tied_site_and_reaches_the_mean_field_optimum_faster():
     problem = CorrelatedRegression()
     whitened, diagonal = [], []
     for seed in range(3):
-        pdvi = _fit(problem, 6, whiten=True, seed=seed)
+        pdvi = fit(problem, 6, whiten=True, seed=seed)
         assert pdvi.whitened_sites == ["AutoNormal.locs.w"]
         # The param store holds the params, T^{-1} of the state's coordinates (the scales are held
         # at their fixed point).
@@ -176,19 +180,19 @@ def test_pdvi_whitens_a_tied_site_and_reaches_the_mean_field_optimum_faster():
         estimate = pdvi._coupling.inverse(pdvi.state.estimate())
         assert torch.allclose(pyro.param("AutoNormal.locs.w").detach(), estimate[locs])
         assert not torch.allclose(estimate[locs], pdvi.state.estimate()[locs])
-        whitened.append(_error(problem))
-        assert _fit(problem, 6, whiten=False, seed=seed).whitened_sites == []
-        diagonal.append(_error(problem))
+        whitened.append(error(problem))
+        assert fit(problem, 6, whiten=False, seed=seed).whitened_sites == []
+        diagonal.append(error(problem))
     assert max(whitened) < 0.1 * min(diagonal)
-    _fit(problem, 40, whiten=True)
-    assert _error(problem) < 1e-6
+    fit(problem, 40, whiten=True)
+    assert error(problem) < 1e-6
 
 
 def test_a_resumed_whitened_run_continues_as_the_uninterrupted_one():
     problem = CorrelatedRegression()
 
     def run(split: bool) -> torch.Tensor:
-        pdvi = _fit(problem, 2, whiten=True)
+        pdvi = fit(problem, 2, whiten=True)
         assert pdvi.whitened_sites
         if split:
             state, params = pdvi.state_dict(), pyro.get_param_store().get_state()
@@ -211,13 +215,13 @@ def test_a_block_larger_than_the_rows_measured_is_estimated_from_a_subset(monkey
     """With blocks of 20 data and the Hessian measured on 8 of each, the sites are still whitened
     and the fixed point is the same (the estimate only preconditions)."""
     problem = CorrelatedRegression()
-    whole = _fit(problem, 1, whiten=True)._coupling.factors[0]
+    whole = fit(problem, 1, whiten=True)._coupling.factors[0]
     monkeypatch.setattr(upkeep, "WHITENING_ROWS", 8)
-    pdvi = _fit(problem, 40, whiten=True)
+    pdvi = fit(problem, 40, whiten=True)
     assert pdvi.whitened_sites == ["AutoNormal.locs.w"]
     assert not torch.allclose(pdvi._coupling.factors[0], whole)  # measured on the subsets
     assert torch.allclose(pdvi._coupling.factors[0], whole, atol=0.5)
-    assert _error(problem) < 1e-6
+    assert error(problem) < 1e-6
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), "0.25", True])
