@@ -356,7 +356,6 @@ class StepSizeUpkeep:
             coordinates, hessians = site_hessians(products, len(self.partition), coordinates, state.consensus)
         if not coordinates or not bool(torch.isfinite(hessians).all()):
             return
-        candidates = torch.cat(coordinates)
         auto = self.auto_step_size
         size = state.consensus.numel()
         whitening = measure_whitening(hessians, coordinates, size, auto.whitened_scale / auto.scale)
@@ -366,8 +365,7 @@ class StepSizeUpkeep:
         state.change_coordinates(self._coupling.forward, self._coupling.dual_forward, self._rule_step_sizes())
         self._stationarity.change_coordinates(whitening.to(torch.zeros((), dtype=torch.float64)).forward)
         # The weighted update's block weights, in the new coordinates.
-        position = {int(c): i for i, c in enumerate(candidates)}
-        kept = torch.tensor([position[int(c)] for c in whitening.whitened])
+        kept = torch.isin(torch.cat(coordinates), whitening.whitened.cpu())  # the sites it kept, in order
         curvature = whitening.curvature_diagonal(hessians[:, kept][:, :, kept]).abs()
         state.set_coordinate_information(whitening.whitened, curvature)
         self._write_consensus()

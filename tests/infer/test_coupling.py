@@ -29,17 +29,23 @@ def _matrix(coupling: Coupling) -> torch.Tensor:
     return t
 
 
+def assert_is_the_linear_map(coordinates_map, t: torch.Tensor) -> None:
+    """``coordinates_map`` (a :class:`Coupling` or a ``SiteWhitening``) is ``x -> T x`` with the
+    matrix ``t``, and its inverse and transposes are ``T^{-1}``, ``T^{-T}`` and ``T^T``."""
+    size = len(t)
+    x = torch.randn(3, size, dtype=torch.float64)
+    assert torch.allclose(coordinates_map.forward(x), x @ t.T)
+    assert torch.allclose(coordinates_map.inverse(coordinates_map.forward(x)), x)
+    assert torch.allclose(coordinates_map.dual_forward(x), x @ torch.linalg.inv(t))  # rows of T^{-T} x
+    assert torch.allclose(coordinates_map.dual_inverse(coordinates_map.dual_forward(x)), x)
+    # A dual pairs with a difference of points the same in both coordinates.
+    mu = torch.randn(size, dtype=torch.float64)
+    assert torch.allclose(coordinates_map.dual_forward(mu) @ coordinates_map.forward(x[0]), mu @ x[0])
+
+
 def test_coupling_is_the_linear_map_T_and_its_inverse_and_transposes():
     coupling = _coupling()
-    t = _matrix(coupling)
-    x = torch.randn(3, 5, dtype=torch.float64)
-    assert torch.allclose(coupling.forward(x), x @ t.T)
-    assert torch.allclose(coupling.inverse(coupling.forward(x)), x)
-    assert torch.allclose(coupling.dual_forward(x), x @ torch.linalg.inv(t))  # rows of T^{-T} x
-    assert torch.allclose(coupling.dual_inverse(coupling.dual_forward(x)), x)
-    # A dual pairs with a difference of points the same in both coordinates.
-    mu = torch.randn(5, dtype=torch.float64)
-    assert torch.allclose(coupling.dual_forward(mu) @ coupling.forward(x[0]), mu @ x[0])
+    assert_is_the_linear_map(coupling, _matrix(coupling))
 
 
 def test_change_of_coordinates_keeps_the_point_without_h_and_the_duals_pairing():
