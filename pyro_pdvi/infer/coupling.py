@@ -255,7 +255,8 @@ def unit_vectors(like: torch.Tensor, coordinates: torch.Tensor) -> torch.Tensor:
 
 class CoupledLosses:
     """The blocks' ``f_b`` as a function of copies in ``lambda~``: evaluated at ``T^{-1}``
-    of them (a :class:`~pyro_pdvi.infer.objective.BlockLosses` seen through a coupling).
+    of them (a :class:`~pyro_pdvi.infer.objective.BlockLosses` seen through a coupling, or
+    through a :class:`~pyro_pdvi.infer.whitening.SiteWhitening`: any map with ``inverse``).
 
     :param losses: the blocks' objective in the params' coordinates.
     :param coupling: the map ``T``.

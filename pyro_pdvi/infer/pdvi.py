@@ -965,7 +965,8 @@ class PDVI(StepSizeUpkeep):
     @property
     def state(self) -> ConsensusState | None:
         """Duals, block copies and consensus (``None`` before the first step); once coordinates
-        are coupled (:attr:`coupled_sites`), in the coupled coordinates ``lambda~ = T lambda``."""
+        are coupled (:attr:`coupled_sites`) or sites whitened (:attr:`whitened_sites`), in those
+        coordinates ``lambda~ = T lambda``."""
         return self._state
 
     def evaluate_loss(self, *args: Any, **kwargs: Any) -> float:
