@@ -17,9 +17,13 @@ epochs relative to the optimum's norm. ``--dense`` adds the same with a dense pe
 since 13zc). With ``--out``, a CSV and a plot of the rate against the constant.
 ``docs/benchmarks.md`` 13zb compares these with the engine's traces.
 
-Example::
+Also synthetic round sites, ``round<n>`` and ``uneven<n>`` (:func:`synthetic_hessians`), where the
+best constant moves with the number of blocks ``n`` (13zd).
+
+Examples::
 
     python benchmarks/consensus_rate.py --models logreg,scale,biglogreg --constants 0.125,0.25,1,4
+    python benchmarks/consensus_rate.py --models round6,round20,round100,uneven6,uneven20,uneven100
 
 [1] Lyu, Yu, Ma, Shi (2026), arXiv:2602.07632.
 """
@@ -43,6 +47,8 @@ from pyro_pdvi.infer.whitening import diagonal_condition as site_condition  # no
 
 #: The suite models whose means have a closed-form Hessian here.
 SUPPORTED = ("logreg", "biglogreg", "scale")
+#: Synthetic round sites, ``round<n>`` or ``uneven<n>`` (:func:`synthetic_hessians`).
+SYNTHETIC = ("round", "uneven")
 
 
 def parse_args(argv: list[str] | None = None):
@@ -81,6 +87,20 @@ def block_hessians(problem: Problem, params: dict[str, torch.Tensor]) -> torch.T
     else:
         raise ValueError(f"consensus_rate: model {problem.name!r} is not one of {SUPPORTED}")
     return torch.stack([(x[i] * weights[i, None]).T @ x[i] + prior_share for i in problem.blocks])
+
+
+def synthetic_hessians(name: str) -> torch.Tensor | None:
+    """The blocks' Hessians of a synthetic site of 4 coordinates that a diagonal penalty leaves
+    round, for ``round<n>`` (every block about alike: ``1 + 0.3 u``) or ``uneven<n>`` (blocks that
+    inform a coordinate from 0.01 to 1.01x: ``u^3 + 0.01``), ``u`` uniform, diagonal, ``(n, 4, 4)``;
+    ``None`` for other names. Where the best constant of a round site moves with ``n``
+    (``docs/benchmarks.md`` 13zd, :func:`pyro_pdvi.infer.step_sizes.round_site_scale`)."""
+    for kind in SYNTHETIC:
+        if name.startswith(kind) and name[len(kind) :].isdigit():
+            num_blocks = int(name[len(kind) :])
+            u = torch.rand(num_blocks, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+            return torch.diag_embed(1 + 0.3 * u if kind == "round" else u**3 + 0.01)
+    return None
 
 
 def diagonal_condition(hessians: torch.Tensor) -> float:
@@ -138,10 +158,14 @@ def main(args) -> list[dict]:
     setup_torch(1, torch.float64)
     rows = []
     for name in args.models:
-        if name not in SUPPORTED:
-            raise SystemExit(f"consensus_rate: --models takes {SUPPORTED}, not {name!r}")
-        problem = make_problem(name, quick=False)
-        hessians = block_hessians(problem, compute_reference(problem).params)
+        hessians = synthetic_hessians(name)
+        if hessians is None:
+            if name not in SUPPORTED:
+                raise SystemExit(
+                    f"consensus_rate: --models takes {SUPPORTED} or round<n> / uneven<n>, not {name!r}"
+                )
+            problem = make_problem(name, quick=False)
+            hessians = block_hessians(problem, compute_reference(problem).params)
         condition = diagonal_condition(hessians)
         for preconditioner in ("diagonal", "dense") if args.dense else ("diagonal",):
             cells = []

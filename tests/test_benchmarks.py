@@ -429,3 +429,19 @@ def test_consensus_rate_hessians_and_iteration():
     rows = module.main(module.parse_args(["--models", "logreg", "--constants", "0.25,1", "--epochs", "12",
                                           "--seeds", "1"]))  # fmt: skip
     assert [r["constant"] for r in rows] == [0.25, 1.0] and all(0 < r["rate"] < 1 for r in rows)
+
+
+def test_consensus_rate_synthetic_round_sites_want_a_stiffer_constant_with_more_blocks():
+    """On the synthetic round sites the best constant of the grid falls as the blocks grow, as
+    ``round_site_scale`` (``1.2 / sqrt(n)``) does: 0.5 for 6 blocks, 0.125 for 100."""
+    module = load_script(BENCHMARKS / "consensus_rate.py")
+    assert module.synthetic_hessians("logreg") is None
+    assert module.synthetic_hessians("uneven20").shape == (20, 4, 4)
+    rows = module.main(module.parse_args(["--models", "round6,round100", "--constants", "0.125,0.5,1",
+                                          "--epochs", "25", "--seeds", "2"]))  # fmt: skip
+    best = {}
+    for row in rows:
+        if row["model"] not in best or row["rate"] < best[row["model"]]["rate"]:
+            best[row["model"]] = row
+    assert best["round6"]["constant"] == 0.5 and best["round100"]["constant"] == 0.125
+    assert best["round6"]["condition"] < 2

@@ -5,8 +5,9 @@ Every PDVI configuration is a named dict of keyword options of ``PDVI(...)`` in
 :data:`PDVI_CONFIGS`, the one place to edit when options are renamed. The one key that is
 not a PDVI option, :data:`PARTICLES`, replaces the user's ELBO by the same ELBO class with
 that many vectorized particles (its other arguments kept); without it PDVI runs with the
-user's ELBO unchanged, as issue 13 asks. The other, :data:`COUPLING`, sets PDVI's
-``couple_concentrated`` (a class attribute, not an option). Only PDVI's public, common-case API is used:
+user's ELBO unchanged, as issue 13 asks. The others, :data:`COUPLING` and
+:data:`ROUND_SITES`, set PDVI's ``couple_concentrated`` and ``scale_round_sites`` (class
+attributes, not options). Only PDVI's public, common-case API is used:
 ``PDVI(model, guide, optim, loss, blocks=blocks, **options)``, ``step``, ``step_sizes``.
 """
 
@@ -39,6 +40,8 @@ class ExtraCallSolver(GenericSolver):
 PARTICLES = "particles"
 #: Suite-level key of a PDVI configuration: ``PDVI.couple_concentrated`` (default True).
 COUPLING = "couple_concentrated"
+#: Suite-level key of a PDVI configuration: ``PDVI.scale_round_sites`` (default True).
+ROUND_SITES = "scale_round_sites"
 
 PDVI_CONFIGS: dict[str, dict] = {
     # The number issue 13 is about: the user's ELBO unchanged, every option at its default.
@@ -88,6 +91,9 @@ PDVI_CONFIGS: dict[str, dict] = {
     "paper_natural0.25": {"global_update": "paper", "eta": AutoStepSize(scale=0.25)},
     # No dense penalty on the small sites, the default before 13zc, for a before/after.
     "unwhitened": {"eta": AutoStepSize(whiten=False)},
+    # The round sites at the natural rule's constant 1, not the dense penalty's, the default
+    # before 13zd.
+    "round1": {ROUND_SITES: False},
     # Ten times the default short solve's evaluations (13zb: the solve's accuracy is not what sets
     # the logistic regression's rate per epoch).
     "inner30": {"solver": GenericSolver(inner_steps=30)},
@@ -191,6 +197,7 @@ def pdvi(config: str) -> Method:
     options = dict(PDVI_CONFIGS[config])
     particles = options.pop(PARTICLES, None)
     coupling = options.pop(COUPLING, True)
+    round_sites = options.pop(ROUND_SITES, True)
 
     def build(problem: Problem, guide: Callable) -> Fitter:
         pdvi = PDVI(
@@ -202,6 +209,7 @@ def pdvi(config: str) -> Method:
             **options,
         )
         pdvi.couple_concentrated = coupling
+        pdvi.scale_round_sites = round_sites
         return Fitter(pdvi)
 
     return Method("PDVI", config, build)

@@ -307,6 +307,24 @@ DEFAULT_SCALES = {"natural": 1.0, "curvature": 2.0}
 #: means, 0.022 against 6e-5 after 10 epochs on 4 blocks).
 NATURAL_SCALE_WITH_LOCALS = 0.25
 
+#: A round site's natural constant is ``min(1, ROUND_SITE_CONSTANT / sqrt(n))``
+#: (:func:`round_site_scale`). The quadratic model of the consensus iteration
+#: (``benchmarks/consensus_rate.py``, exact solves, one block per step) put the best constant of
+#: a diagonal curvature at 0.5 / 0.25 / 0.125 for 6 / 20 / 100 blocks (``docs/benchmarks.md``
+#: 13zd): the best penalty ``D_j = F_j / (c n)`` is about ``sqrt(n) / 1.2`` times a block's share of
+#: the curvature, the geometric mean of a block's curvature and the whole's.
+ROUND_SITE_CONSTANT = 1.2
+
+
+def round_site_scale(num_blocks: int) -> float:
+    """The natural rule's constant on a site that a diagonal penalty leaves round, for a run of
+    ``num_blocks`` blocks: ``min(1, ROUND_SITE_CONSTANT / sqrt(n))``.
+
+    :param num_blocks: n.
+    """
+    return min(1.0, ROUND_SITE_CONSTANT / num_blocks**0.5)
+
+
 #: The most evaluations of a block solve (``GenericSolver(inner_steps=...)``, default 3) that count
 #: as short for :data:`NATURAL_SCALE_WITH_LOCALS`.
 SHORT_SOLVE_STEPS = 5
@@ -455,6 +473,9 @@ class StepSizes:
         self.damping = 1.0
         #: A factor per coordinate, flat (:mod:`~pyro_pdvi.infer.stationarity` halves them).
         self.decay: torch.Tensor | None = None
+        #: The natural rule's constant per coordinate, flat, where a site's differs from
+        #: ``auto.scale`` (:meth:`set_site_scale`); ``None`` where none does.
+        self.site_scales: torch.Tensor | None = None
         self.remeasured = 0
 
     @property
@@ -611,6 +632,13 @@ class StepSizes:
             return torch.zeros_like(self.group_of, dtype=torch.bool)
         return (self.measured_groups[self.group_of] & (self.fisher > 0)).cpu()
 
+    def set_site_scale(self, coordinates: torch.Tensor, scale: float) -> None:
+        """Give the natural rule the constant ``scale`` on ``coordinates`` (flat indices) in place
+        of ``auto.scale``: a round site's (:meth:`~pyro_pdvi.infer.upkeep.StepSizeUpkeep._whiten_sites`)."""
+        if self.site_scales is None:
+            self.site_scales = torch.full_like(self.coordinate_etas, self.auto.scale)
+        self.site_scales[coordinates.cpu()] = scale
+
     def per_coordinate(self, like: torch.Tensor) -> torch.Tensor:
         """``eta`` of every coordinate of the flat global vector, dtype and device of ``like``."""
         etas = self.etas[self.group_of]
@@ -619,7 +647,8 @@ class StepSizes:
             # Coordinates without Fisher information keep their group's curvature rule.
             informed = self.measured_groups[self.group_of] & (self.fisher > 0)
             tiny = torch.finfo(torch.float64).tiny
-            natural = self.auto.scale * self.num_blocks / self.fisher.clamp(min=tiny)
+            scale = self.auto.scale if self.site_scales is None else self.site_scales
+            natural = scale * self.num_blocks / self.fisher.clamp(min=tiny)
             if self.block_curvature is not None:
                 # A coordinate that few blocks inform is as stiff in one block as in all of them.
                 natural = torch.minimum(natural, BLOCK_CURVATURE_BOUND / self.block_curvature.clamp(min=tiny))
@@ -666,6 +695,7 @@ class StepSizes:
             "fisher_at_start": self.fisher_at_start,
             "damping": self.damping,
             "decay": None if self.decay is None else self.decay.clone(),
+            "site_scales": None if self.site_scales is None else self.site_scales.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -680,6 +710,8 @@ class StepSizes:
         self.damping = state["damping"]
         decay = state.get("decay")  # absent from checkpoints before the stationarity test
         self.decay = None if decay is None else decay.to(torch.float64)
+        site_scales = state.get("site_scales")  # absent from checkpoints before the round sites'
+        self.site_scales = None if site_scales is None else site_scales.to(torch.float64)
         bound = state["block_curvature"]
         self.block_curvature = None if bound is None else bound.to(torch.float64)
         # Absent from checkpoints before the start's bound: none applies.

@@ -37,7 +37,7 @@ from .fisher import fisher_diagonal
 from .hessian_products import hessian_products
 from .safeguard import RISES
 from .solvers import GenericSolver
-from .step_sizes import diagonal_curvature
+from .step_sizes import DEFAULT_SCALES, diagonal_curvature, round_site_scale
 from .whitening import MAX_WHITENED_COORDINATES, measure_whitening, site_hessians
 
 #: Where the model's graph has no usable second derivative, the coupling's Hessian products are
@@ -100,6 +100,9 @@ class StepSizeUpkeep:
 
     #: Whether concentrated coordinates are coupled with shared ones once found.
     couple_concentrated = True
+    #: Whether the sites that a diagonal penalty leaves round take the dense penalty's constant
+    #: once measured (:meth:`_set_round_sites_scale`).
+    scale_round_sites = True
     #: Whether the model's graph has a usable second derivative (Hessian products by double
     #: backward): ``None`` until the first products were checked against finite differences of
     #: the gradient, ``False`` where they disagreed or double backward failed (the products are
@@ -325,7 +328,10 @@ class StepSizeUpkeep:
         under the natural rule that the solves move (not a held scale), that many blocks inform
         (not a concentrated one): a site of 2 to ``MAX_WHITENED_COORDINATES`` of them. Each
         block's Hessian is measured at ``lambda_0``, on at most :data:`WHITENING_ROWS` of its data
-        (all of them where the model does not take a subset)."""
+        (all of them where the model does not take a subset).
+
+        A site that a diagonal penalty already leaves round (a site of one such coordinate
+        included) is not mapped, but may take a stiffer constant (:meth:`_set_round_sites_scale`)."""
         if self._whitening_tried:
             return
         self._whitening_tried = True
@@ -337,29 +343,37 @@ class StepSizeUpkeep:
         eligible = eligible.cpu()
         every_coordinate = torch.arange(state.consensus.numel())
         coordinates = [every_coordinate[span][eligible[span]] for span in self.layout.slices.values()]
+        round_sites = [c for c in coordinates if len(c) == 1]
         coordinates = [c for c in coordinates if 2 <= len(c) <= MAX_WHITENED_COORDINATES]
-        if not coordinates:
-            return
-        seed = self._side_seed(-6)
+        whitening = None
+        if coordinates:
+            seed = self._side_seed(-6)
 
-        def products(b: int, directions: torch.Tensor) -> torch.Tensor:
-            block_args, block_kwargs = self._first_step_args.get(b, (args, kwargs))
-            try:
-                measured = self._block_hessian_products(
-                    b, block_args, block_kwargs, seed + b, max_rows=WHITENING_ROWS
-                )(directions)
-            except (RuntimeError, ValueError):  # a model that cannot take a subset of a block
-                measured = self._block_hessian_products(b, block_args, block_kwargs, seed + b)(directions)
-            return measured
+            def products(b: int, directions: torch.Tensor) -> torch.Tensor:
+                block_args, block_kwargs = self._first_step_args.get(b, (args, kwargs))
+                try:
+                    measured = self._block_hessian_products(
+                        b, block_args, block_kwargs, seed + b, max_rows=WHITENING_ROWS
+                    )(directions)
+                except (RuntimeError, ValueError):  # a model that cannot take a subset of a block
+                    measured = self._block_hessian_products(b, block_args, block_kwargs, seed + b)(directions)
+                return measured
 
-        with self._objective.one_off():
-            coordinates, hessians = site_hessians(products, len(self.partition), coordinates, state.consensus)
-        if not coordinates or not bool(torch.isfinite(hessians).all()):
-            return
-        auto = self.auto_step_size
-        size = state.consensus.numel()
-        whitening = measure_whitening(hessians, coordinates, size, auto.whitened_scale / auto.scale)
+            with self._objective.one_off():
+                coordinates, hessians, found_round = site_hessians(
+                    products, len(self.partition), coordinates, state.consensus
+                )
+            round_sites += found_round
+            if coordinates and bool(torch.isfinite(hessians).all()):
+                auto = self.auto_step_size
+                size = state.consensus.numel()
+                whitening, found_round = measure_whitening(
+                    hessians, coordinates, size, auto.whitened_scale / auto.scale
+                )
+                round_sites += found_round
+        self._set_round_sites_scale(round_sites)
         if whitening is None:
+            self._apply_step_sizes()
             return
         self._coupling = whitening.to(state.consensus)
         state.change_coordinates(self._coupling.forward, self._coupling.dual_forward, self._rule_step_sizes())
@@ -369,6 +383,23 @@ class StepSizeUpkeep:
         curvature = whitening.curvature_diagonal(hessians[:, kept][:, :, kept]).abs()
         state.set_coordinate_information(whitening.whitened, curvature)
         self._write_consensus()
+
+    def _set_round_sites_scale(self, round_sites: list[torch.Tensor]) -> None:
+        """Give the sites that a diagonal penalty leaves round the natural constant
+        :func:`~pyro_pdvi.infer.step_sizes.round_site_scale` (``1.2 / sqrt(n)``, at most 1): a
+        stiffer penalty, as the quadratic model of the consensus iteration wants where the
+        curvature is round (``docs/benchmarks.md`` 13zd).
+
+        Only where the run's natural constant is the default 1 of a model without local sites
+        (:data:`~pyro_pdvi.infer.step_sizes.DEFAULT_SCALES`): a constant the user gave is kept, one
+        whose short solves fit local rows takes a stiffer constant everywhere already
+        (:data:`~pyro_pdvi.infer.step_sizes.NATURAL_SCALE_WITH_LOCALS`), and the GMM's cluster
+        means, set with discrete rows, were slower with a quarter of it (13zc)."""
+        if not (self.scale_round_sites and round_sites) or self.local_sites:
+            return
+        if self.auto_step_size.scale != DEFAULT_SCALES["natural"]:
+            return
+        self._step_sizes.set_site_scale(torch.cat(round_sites), round_site_scale(len(self.partition)))
 
     def _block_hessian_products(
         self,

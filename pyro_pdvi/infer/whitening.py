@@ -177,20 +177,22 @@ def measure_whitening(
     coordinates: list[torch.Tensor],
     size: int,
     scale_factor: float,
-) -> SiteWhitening | None:
+) -> tuple[SiteWhitening | None, list[torch.Tensor]]:
     """The whitening of the sites whose summed Hessian is positive definite and at least
-    :data:`MIN_WHITENED_CONDITION` ill-conditioned for a diagonal penalty.
+    :data:`MIN_WHITENED_CONDITION` ill-conditioned for a diagonal penalty, and the sites that a
+    diagonal penalty already leaves round.
 
     :param hessians: every block's Hessian on the candidate coordinates, the sites in order,
         ``(n, k, k)`` (``k = sum_s k_s``), symmetric up to rounding.
     :param coordinates: each candidate site's flat coordinates.
     :param size: ``P``, the number of global coordinates.
     :param scale_factor: ``whitened_scale / scale``, on every whitened coordinate's step size.
-    :returns: the map, or ``None`` where no site qualifies.
+    :returns: the map (``None`` where no site is ill-conditioned), and the round sites' coordinates:
+        positive definite and below the threshold, where a dense penalty is about the diagonal one.
     """
     total = hessians.sum(0)
     total = (total + total.T) / 2
-    kept, factors = [], []
+    kept, factors, round_sites = [], [], []
     growth = total.new_ones(size)
     start = 0
     for index in coordinates:
@@ -201,16 +203,15 @@ def measure_whitening(
         if int(info) != 0 or not bool(torch.isfinite(factor).all()):
             continue  # not positive definite here (a non-convex spot): the site stays diagonal
         if diagonal_condition(block) < MIN_WHITENED_CONDITION:
-            continue  # the diagonal penalty already sees this site's curvature
+            round_sites.append(index)  # the diagonal penalty already sees this site's curvature
+            continue
         pivots = factor.diagonal()
         kept.append(index)
         factors.append(factor.T / pivots[:, None])
         growth[index.to(growth.device)] = scale_factor * (block.diagonal() / pivots.square()).clamp(
             max=MAX_STEP_GROWTH
         )
-    if not kept:
-        return None
-    return SiteWhitening(kept, factors, growth)
+    return (SiteWhitening(kept, factors, growth) if kept else None), round_sites
 
 
 def site_hessians(
@@ -218,7 +219,7 @@ def site_hessians(
     num_blocks: int,
     coordinates: list[torch.Tensor],
     like: torch.Tensor,
-) -> tuple[list[torch.Tensor], torch.Tensor]:
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
     """Every block's Hessian on the candidate sites' coordinates, from its products with their
     unit vectors; first on :data:`FIRST_BLOCKS` blocks, and then on the others only for the sites
     whose sum over those a diagonal penalty does not already leave round
@@ -228,8 +229,8 @@ def site_hessians(
     :param num_blocks: n.
     :param coordinates: each candidate site's flat coordinates.
     :param like: a tensor whose last size is ``P``, whose dtype and device the directions take.
-    :returns: the sites still candidates, and every block's Hessian on their coordinates (the
-        sites in order), ``(n, k, k)``, float64 on the host.
+    :returns: the sites still candidates, every block's Hessian on their coordinates (the sites in
+        order), ``(n, k, k)``, float64 on the host, and the sites found round on the first blocks.
     """
 
     def measure(b: int, sites: list[torch.Tensor]) -> torch.Tensor:
@@ -239,16 +240,18 @@ def site_hessians(
 
     first = min(FIRST_BLOCKS, num_blocks)
     early = torch.stack([measure(b, coordinates) for b in range(first)])
-    total, kept, positions, start = early.sum(0), [], [], 0
+    total, kept, positions, round_sites, start = early.sum(0), [], [], [], 0
     for index in coordinates:
         span = torch.arange(start, start + len(index))
         start += len(index)
         if diagonal_condition(total[span][:, span]) >= MIN_WHITENED_CONDITION:
             kept.append(index)
             positions.append(span)
+        else:
+            round_sites.append(index)
     if not kept:
-        return [], early[:, :0, :0]
+        return [], early[:, :0, :0], round_sites
     span = torch.cat(positions)
     early = early[:, span][:, :, span]
     rest = [measure(b, kept) for b in range(first, num_blocks)]
-    return kept, torch.cat([early, torch.stack(rest)]) if rest else early
+    return kept, torch.cat([early, torch.stack(rest)]) if rest else early, round_sites
