@@ -963,6 +963,17 @@ class PDVI(StepSizeUpkeep):
         return [self.layout.site_of(int(index[0])) for index in self._coupling.coordinates]
 
     @property
+    def round_sites(self) -> dict[str, float]:
+        """The global sites that a diagonal penalty leaves round and that take a stiffer natural
+        constant than the run's (:meth:`~pyro_pdvi.infer.upkeep.StepSizeUpkeep._set_round_sites_scale`),
+        with that constant: empty before the first blocks are measured, or where none does."""
+        scales = None if self._state is None else self._step_sizes.site_scales
+        if scales is None:
+            return {}
+        changed = (scales != self.auto_step_size.scale).nonzero().reshape(-1).tolist()
+        return {self.layout.site_of(j): float(scales[j]) for j in changed}
+
+    @property
     def state(self) -> ConsensusState | None:
         """Duals, block copies and consensus (``None`` before the first step); once coordinates
         are coupled (:attr:`coupled_sites`) or sites whitened (:attr:`whitened_sites`), in those

@@ -277,7 +277,8 @@ BLOCK_CURVATURE_BOUND = 8.0
 
 #: While the guide's Fisher information is the one measured at the start (the first epoch, where
 #: the scales are held at the guide's initial values: :mod:`~pyro_pdvi.infer.scales`), the natural
-#: rule's step sizes are also at most ``scale / mean_b c_bj``, the mean over the blocks measured so
+#: rule's step sizes are also at most ``scale / mean_b c_bj`` (``scale`` the coordinate's constant,
+#: a round site's included: :meth:`StepSizes.set_site_scale`), the mean over the blocks measured so
 #: far of their diagonal curvature: the block's share of the objective's curvature that the Fisher
 #: stands for once the scales are set, measured instead of read off a start that no data informed.
 #: Where the posterior is narrower than the guide's start (AutoNormal's scale 0.1 against sds of
@@ -634,7 +635,12 @@ class StepSizes:
 
     def set_site_scale(self, coordinates: torch.Tensor, scale: float) -> None:
         """Give the natural rule the constant ``scale`` on ``coordinates`` (flat indices) in place
-        of ``auto.scale``: a round site's (:meth:`~pyro_pdvi.infer.upkeep.StepSizeUpkeep._whiten_sites`)."""
+        of ``auto.scale``, in the first epoch's bound too (:data:`START_CURVATURE_FLOOR`): a round
+        site's (:meth:`~pyro_pdvi.infer.upkeep.StepSizeUpkeep._set_round_sites_scale`).
+
+        :param coordinates: flat indices of the global coordinates, a LongTensor.
+        :param scale: their constant ``c`` in ``eta_j = c n / F_j``.
+        """
         if self.site_scales is None:
             self.site_scales = torch.full_like(self.coordinate_etas, self.auto.scale)
         self.site_scales[coordinates.cpu()] = scale
@@ -655,7 +661,7 @@ class StepSizes:
             if self._start_bound_applies():
                 # The start's Fisher says nothing of the posterior: the measured curvature does.
                 mean = self.block_curvature_sum / self.measured_blocks
-                bound = self.auto.scale / mean.clamp(min=tiny)
+                bound = scale / mean.clamp(min=tiny)
                 natural = torch.where(mean > 0, torch.minimum(natural, bound), natural)
             etas = torch.where(informed, natural, etas)
         # A collapsed scale (Fisher ~ 1/sigma^2 huge) must not round eta to 0 in ``like``'s
