@@ -468,7 +468,8 @@ class StepSizeUpkeep:
 
         Only where the run's natural constant is the default 1 of a model without local sites
         (:data:`~pyro_pdvi.infer.step_sizes.DEFAULT_SCALES`; :meth:`_may_scale_round_sites`): a
-        constant the user gave is kept, one whose short solves fit local rows takes a stiffer
+        constant other than 1 that the user gave is kept (``AutoStepSize(scale=1.0)`` counts as
+        the default), one whose short solves fit local rows takes a stiffer
         constant everywhere already (:data:`~pyro_pdvi.infer.step_sizes.NATURAL_SCALE_WITH_LOCALS`),
         and the GMM's cluster means, set with discrete rows, were slower with a quarter of it
         (13zc)."""

@@ -177,6 +177,17 @@ def fit(
     return pdvi
 
 
+def resume(pdvi: PDVI, problem: CorrelatedRegression) -> PDVI:
+    """A new PDVI of ``problem`` that continues from ``pdvi``'s checkpoint and param store."""
+    state, params = pdvi.state_dict(), pyro.get_param_store().get_state()
+    pyro.clear_param_store()
+    pyro.get_param_store().set_state(params)
+    resumed = PDVI(problem.model, AutoNormal(problem.model), pyro.optim.Adam({}), Trace_ELBO(),
+                   blocks=problem.blocks)  # fmt: skip
+    resumed.load_state_dict(state)
+    return resumed
+
+
 def error(problem: CorrelatedRegression) -> float:
     return float((pyro.param("AutoNormal.locs.w").detach().cpu() - problem.mean).abs().max())
 
@@ -212,13 +223,7 @@ def test_a_resumed_whitened_run_continues_as_the_uninterrupted_one():
         pdvi = fit(problem, 2, whiten=True)
         assert pdvi.whitened_sites
         if split:
-            state, params = pdvi.state_dict(), pyro.get_param_store().get_state()
-            pyro.clear_param_store()
-            pyro.get_param_store().set_state(params)
-            resumed = PDVI(problem.model, AutoNormal(problem.model), pyro.optim.Adam({}), Trace_ELBO(),
-                           blocks=problem.blocks)  # fmt: skip
-            resumed.load_state_dict(state)
-            pdvi = resumed
+            pdvi = resume(pdvi, problem)
         order = torch.Generator().manual_seed(5)
         for b in torch.randperm(len(problem.blocks), generator=order).tolist():
             pdvi.step(problem.blocks[b])
@@ -322,11 +327,6 @@ def test_a_round_site_keeps_its_constant_where_the_model_has_local_sites_or_the_
     assert pdvi._whitening_tried and pdvi._step_sizes.site_scales is None
 
     pdvi = fit(problem, 1, whiten=True)
-    state, params = pdvi.state_dict(), pyro.get_param_store().get_state()
-    pyro.clear_param_store()
-    pyro.get_param_store().set_state(params)
-    resumed = PDVI(problem.model, AutoNormal(problem.model), pyro.optim.Adam({}), Trace_ELBO(),
-                   blocks=problem.blocks)  # fmt: skip
-    resumed.load_state_dict(state)
+    resumed = resume(pdvi, problem)
     resumed.step(problem.blocks[0])
     assert torch.equal(resumed._step_sizes.site_scales, pdvi._step_sizes.site_scales)
