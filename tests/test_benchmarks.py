@@ -445,3 +445,20 @@ def test_consensus_rate_synthetic_round_sites_want_a_stiffer_constant_with_more_
             best[row["model"]] = row
     assert best["round6"]["constant"] == 0.5 and best["round100"]["constant"] == 0.125
     assert best["round6"]["condition"] < 2
+
+
+def test_particle_broadcasting_tiny(capsys):
+    """Written for one draw, the model is flagged under PDVI's particles (then looped) and the
+    user's (kept); written with a plate, PDVI keeps its vectorized particles."""
+    module = load_script(BENCHMARKS / "particle_broadcasting.py")
+    common = ["--groups", "3", "--group-size", "8", "--epochs", "2", "--svi-epochs", "3"]
+    common += ["--report-epochs", "1,2", "--svi-lrs", "0.1"]
+    results = {r["method"]: r for r in module.main(module.parse_args(common))}
+    assert results["pdvi"]["flagged"] and results["pdvi"]["particles"] == "8 looped"
+    assert (
+        results["pdvi-vectorized"]["flagged"] and results["pdvi-vectorized"]["particles"] == "64 vectorized"
+    )
+    assert not results["svi-0.1"]["flagged"] and len(results["svi-0.1"]["rows"]) == 3
+    results = {r["method"]: r for r in module.main(module.parse_args([*common, "--written", "plate"]))}
+    assert not results["pdvi"]["flagged"] and results["pdvi"]["particles"].endswith("vectorized")
+    assert "| pdvi | 0 |" in capsys.readouterr().out

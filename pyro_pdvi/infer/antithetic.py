@@ -22,6 +22,8 @@ and its mean is exact.
 
 Sites of other families (Gamma, Beta, discrete, ...) are drawn by Pyro as
 usual; sites outside the particle plate (no vectorized particles) are an error.
+:class:`LoopedAntitheticNoise` pairs the particles of an ELBO that loops over them
+instead, for a model that cannot take vectorized ones.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch.distributions import Distribution, Independent, MultivariateNormal, N
 PARTICLE_PLATE = "num_particles_vectorized"
 
 
-def _reparameterized(fn: Distribution, noise: torch.Tensor) -> torch.Tensor | None:
+def reparameterized(fn: Distribution, noise: torch.Tensor) -> torch.Tensor | None:
     """``fn``'s draw for standard-normal ``noise`` (shape ``batch + event``), or
     ``None`` if ``fn`` is not a Gaussian family this module knows."""
     if isinstance(fn, Normal):
@@ -44,12 +46,12 @@ def _reparameterized(fn: Distribution, noise: torch.Tensor) -> torch.Tensor | No
     if isinstance(fn, MultivariateNormal):
         return fn.loc + (fn.scale_tril @ noise.unsqueeze(-1)).squeeze(-1)
     if isinstance(fn, Independent):
-        return _reparameterized(fn.base_dist, noise)
+        return reparameterized(fn.base_dist, noise)
     if isinstance(fn, TransformedDistribution):
         base_shape = fn.base_dist.batch_shape + fn.base_dist.event_shape
         if base_shape != noise.shape:
             return None
-        value = _reparameterized(fn.base_dist, noise)
+        value = reparameterized(fn.base_dist, noise)
         if value is None:
             return None
         for transform in fn.transforms:
@@ -79,13 +81,9 @@ class AntitheticNoise(Messenger):
         self.match_second_moment = match_second_moment
 
     def _process_message(self, msg: Message) -> None:
-        if msg["type"] != "sample" or msg["is_observed"] or msg["value"] is not None:
+        if not _gaussian_draw(msg):
             return
         fn = msg["fn"]
-        if not getattr(fn, "has_rsample", False) or not isinstance(
-            fn, (Normal, MultivariateNormal, Independent, TransformedDistribution)
-        ):
-            return
         frame = next((f for f in msg["cond_indep_stack"] if f.name == PARTICLE_PLATE), None)
         if frame is None or frame.size % 2:
             raise ValueError(
@@ -104,9 +102,56 @@ class AntitheticNoise(Messenger):
         z = torch.randn(half, dtype=loc.dtype, device=loc.device)
         if self.match_second_moment:
             z = z / z.square().mean(axis, keepdim=True).sqrt()
-        value = _reparameterized(fn, torch.cat([z, -z], dim=axis))
+        value = reparameterized(fn, torch.cat([z, -z], dim=axis))
         if value is not None:
             msg["value"] = value
+
+
+class LoopedAntitheticNoise(Messenger):
+    """:class:`AntitheticNoise` for an ELBO that loops over its ``K`` particles
+    (``vectorize_particles=False``): the ``k``-th visit of a Gaussian guide site within the
+    ``with`` block takes the noise ``z_j`` for ``k = 2j`` and ``-z_j`` for ``k = 2j + 1``, the
+    ``K/2`` draws ``z_j`` made at its first visit. For a model that cannot take vectorized
+    particles: each particle is an evaluation of its own, so ``K`` cost ``K`` times one.
+
+    :param num_particles: ``K``, the ELBO's particles, even; one ``with`` block per evaluation.
+    :param match_second_moment: as in :class:`AntitheticNoise`, over the ``K/2`` draws.
+    """
+
+    def __init__(self, num_particles: int, match_second_moment: bool = False) -> None:
+        super().__init__()
+        if num_particles < 2 or num_particles % 2:
+            raise ValueError(f"Invalid num_particles: {num_particles}; use an even number of at least 2")
+        self.num_particles = num_particles
+        self.match_second_moment = match_second_moment
+        self._queued: dict[str, list[torch.Tensor]] = {}
+
+    def _process_message(self, msg: Message) -> None:
+        if not _gaussian_draw(msg):
+            return
+        fn = msg["fn"]
+        base = fn.base_dist if isinstance(fn, TransformedDistribution) else fn
+        shape = base.batch_shape + base.event_shape
+        queued = self._queued.get(msg["name"])
+        if not queued or queued[0].shape != shape:
+            loc = _first_parameter(fn)
+            z = torch.randn((self.num_particles // 2, *shape), dtype=loc.dtype, device=loc.device)
+            if self.match_second_moment:
+                z = z / z.square().mean(0, keepdim=True).sqrt()
+            queued = self._queued[msg["name"]] = [noise for draw in z for noise in (draw, -draw)]
+        value = reparameterized(fn, queued.pop(0))
+        if value is not None:
+            msg["value"] = value
+
+
+def _gaussian_draw(msg: Message) -> bool:
+    """Whether ``msg`` is a draw still to make from a reparameterized Gaussian family."""
+    if msg["type"] != "sample" or msg["is_observed"] or msg["value"] is not None:
+        return False
+    fn = msg["fn"]
+    return getattr(fn, "has_rsample", False) and isinstance(
+        fn, (Normal, MultivariateNormal, Independent, TransformedDistribution)
+    )
 
 
 def _first_parameter(fn: Distribution) -> torch.Tensor:
@@ -135,12 +180,20 @@ def check_antithetic_loss(loss: object) -> None:
 
 
 def antithetic_loss(
-    loss_fn: Callable[..., torch.Tensor], match_second_moment: bool = False
+    loss_fn: Callable[..., torch.Tensor],
+    match_second_moment: bool = False,
+    looped_particles: int | None = None,
 ) -> Callable[..., torch.Tensor]:
-    """``loss_fn(model, guide, *args, **kwargs)`` evaluated under :class:`AntitheticNoise`."""
+    """``loss_fn(model, guide, *args, **kwargs)`` evaluated under :class:`AntitheticNoise`, or
+    under :class:`LoopedAntitheticNoise` for an ELBO that loops over ``looped_particles``."""
 
     def loss_with_antithetic_noise(model: Callable, guide: Callable, *args, **kwargs) -> torch.Tensor:
-        with AntitheticNoise(match_second_moment):
+        noise = (
+            AntitheticNoise(match_second_moment)
+            if looped_particles is None
+            else LoopedAntitheticNoise(looped_particles, match_second_moment)
+        )
+        with noise:
             return loss_fn(model, guide, *args, **kwargs)
 
     return loss_with_antithetic_noise

@@ -64,6 +64,16 @@ INFORMED_FRACTION = 0.2
 CONCENTRATED_BLOCKS = 2.0
 
 
+#: Before every block is measured, a coordinate counts as one that a single block informs (a
+#: group's random effect with one block per group) where one of the blocks seen holds more than
+#: this share of its information over them: 0.996-1.0 for the group effects of the tests' and the
+#: suite's random-effects models, 0.79 for a coefficient whose covariate sorts the blocks (the
+#: tests' regression sorted by its first covariate). Such sites keep the rule's constant in the
+#: first epoch (:meth:`~pyro_pdvi.infer.upkeep.StepSizeUpkeep._scale_round_sites_early`) and their
+#: scales their start in what PDVI reports then
+#: (:meth:`~pyro_pdvi.infer.scales.ScaleFixedPoint.early_scales_at`).
+EARLY_CONCENTRATED_SHARE = 0.9
+
 #: A concentrated coordinate that, its owners measured again at one point, at least this fraction
 #: of the blocks inform is released (:meth:`ConsensusState.release_shared`).
 SHARED_BLOCKS_FRACTION = 0.5

@@ -6,8 +6,15 @@ surrogate is degenerate for a location-scale guide: the solved scale follows the
 and can collapse (measured on the hierarchical model with ``TraceMeanField_ELBO()``: sd of
 q(mu) 5e-26). So with ``particles="auto"`` PDVI solves with its own copy of the user's ELBO
 (same class and settings) drawing vectorized particles in antithetic pairs; the user's ELBO
-itself is untouched (``PDVI.evaluate_loss`` uses it). Where the model cannot be vectorized
-over particles, the solve falls back to the user's ELBO, with a warning.
+itself is untouched (``PDVI.evaluate_loss`` uses it).
+
+Where the model cannot take vectorized particles, the solves draw :data:`LOOPED_PARTICLES` in
+a loop, with a warning: where it raises under them, and where it counts a term once per
+particle. A model written for one draw may broadcast one draw's particle dimension against
+another's (``m[..., None] + e[..., idx]`` with ``e`` a ``to_event`` vector), which Pyro's shape
+checks let pass; so at its first step PDVI evaluates the first block with every particle at
+the same central draw (:class:`CentralDraws`) and compares the loss with one particle's
+(:func:`particles_agree`; ``docs/benchmarks.md`` 13zf).
 
 How many: as many as cost little (:func:`affordable_particles`). Each operation of an
 evaluation costs a fixed overhead (dispatch, autograd's node) plus a time per element it
@@ -48,14 +55,22 @@ from typing import Any, NamedTuple
 
 import torch
 from pyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.runtime import Message
+from torch.distributions import Independent, MultivariateNormal, Normal, TransformedDistribution
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checks import check_positive_int
-from .antithetic import antithetic_loss, check_antithetic_loss, has_particle_pairs
+from .antithetic import antithetic_loss, check_antithetic_loss, has_particle_pairs, reparameterized
+from .handlers import is_subsample_site
 from .objective import loss_function
 
 #: Most particles of a block solve with ``particles="auto"`` when the user's ELBO does not vectorize any.
 AUTO_PARTICLES = 64
+
+#: Particles of a block solve with ``particles="auto"`` where the model cannot take vectorized
+#: ones: drawn in a loop, so each costs an evaluation (``docs/benchmarks.md`` 13zf).
+LOOPED_PARTICLES = 8
 
 #: Elements per operation of an evaluation that its particles may add and still cost little, by
 #: device type. CPU: an operation's fixed cost is that of about 5,500-15,000 elements (fitted to
@@ -72,9 +87,9 @@ NOISE_DRAWS = 4
 REBUILDABLE = (Trace_ELBO, TraceMeanField_ELBO, TraceEnum_ELBO)
 
 
-def with_particles(loss: Any, num_particles: int) -> Any | None:
-    """The same ELBO (class and settings) with ``num_particles`` vectorized particles, or
-    ``None`` if ``loss`` is not one of :data:`REBUILDABLE`."""
+def with_particles(loss: Any, num_particles: int, vectorize: bool = True) -> Any | None:
+    """The same ELBO (class and settings) with ``num_particles`` particles, vectorized or drawn
+    in a loop, or ``None`` if ``loss`` is not one of :data:`REBUILDABLE`."""
     if type(loss) not in REBUILDABLE:
         return None
     max_plate_nesting = loss.max_plate_nesting
@@ -83,7 +98,7 @@ def with_particles(loss: Any, num_particles: int) -> Any | None:
     return type(loss)(
         num_particles=num_particles,
         max_plate_nesting=max_plate_nesting,
-        vectorize_particles=True,
+        vectorize_particles=vectorize,
         strict_enumeration_warning=loss.strict_enumeration_warning,
         ignore_jit_warnings=loss.ignore_jit_warnings,
         retain_graph=loss.retain_graph,
@@ -161,7 +176,11 @@ class SolveLoss(NamedTuple):
 
 
 def solve_loss(
-    user_loss: Any, particles: int | str | None, antithetic: bool | str, monte_carlo: bool
+    user_loss: Any,
+    particles: int | str | None,
+    antithetic: bool | str,
+    monte_carlo: bool,
+    looped: bool = False,
 ) -> SolveLoss:
     """The loss of the primal solves (module docstring).
 
@@ -170,20 +189,30 @@ def solve_loss(
     :param antithetic: ``"auto"`` (pairs whenever the solve's ELBO vectorizes an even number of
         particles), ``True`` or ``False``.
     :param monte_carlo: whether the guide has Monte Carlo sites (else particles do nothing).
+    :param looped: for a model that cannot take vectorized particles: PDVI's particles
+        (:data:`LOOPED_PARTICLES` for ``"auto"``) are drawn in a loop, in antithetic pairs
+        (:class:`~pyro_pdvi.infer.antithetic.LoopedAntitheticNoise`) unless ``antithetic=False``.
     :raises ValueError: for ``antithetic=True`` with an ELBO that cannot pair its particles.
     """
     loss, owned = user_loss, False
     if monte_carlo and particles is not None:
-        if particles != "auto":
+        if looped:
+            count = LOOPED_PARTICLES if particles == "auto" else particles
+            loss = with_particles(user_loss, count, vectorize=False) or user_loss
+        elif particles != "auto":
             loss = with_particles(user_loss, particles) or user_loss
         elif not (getattr(user_loss, "vectorize_particles", False) and user_loss.num_particles > 1):
             loss = with_particles(user_loss, AUTO_PARTICLES) or user_loss
         owned = loss is not user_loss
+    fn = loss_function(loss)
+    if owned and looped:
+        paired = antithetic is not False and loss.num_particles % 2 == 0
+        looped_fn = antithetic_loss(fn, match_second_moment=True, looped_particles=loss.num_particles)
+        return SolveLoss(loss, looped_fn if paired else fn, paired, owned)
     if antithetic == "auto":
         antithetic = has_particle_pairs(loss)
     elif antithetic:
         check_antithetic_loss(loss)
-    fn = loss_function(loss)
     paired = antithetic_loss(fn, match_second_moment=True) if antithetic else fn
     return SolveLoss(loss, paired, bool(antithetic), owned)
 
@@ -211,3 +240,69 @@ def consensus_noise(gradient_variance: torch.Tensor, curvature: torch.Tensor) ->
     if not bool(usable.any()):
         return None
     return float((gradient_variance[usable] / curvature[usable]).mean().sqrt())
+
+
+#: Relative difference, in units of the dtype's machine epsilon, beyond which a loss at identical
+#: vectorized particles differs from the same ELBO's loss at one particle
+#: (:func:`particles_agree`). A sum of ``n`` rounded terms is off by about ``sqrt(n)`` epsilons
+#: of its magnitude: 1,000 allows for a block of a million terms (float32: 1.2e-4 of the loss); a
+#: model that broadcasts the particles against themselves counts a term twice or more.
+AGREEMENT_EPSILONS = 1000
+
+
+class Uncentred(Exception):
+    """A guide site that :class:`CentralDraws` cannot set to a central value."""
+
+
+class CentralDraws(Messenger):
+    """Every guide draw at a central value of its distribution, the same for every particle.
+
+    A Gaussian site (``Normal``, ``MultivariateNormal``, and ``Independent`` or
+    ``TransformedDistribution`` wrappers of them: the autoguides' sites) takes its draw at
+    zero noise, its location pushed through its transforms; another site its mean, where that
+    is finite and in its support. Sites whose value is set already (the model's latent sites,
+    replayed from the guide; enumerated ones) and observed ones are left alone. Where the
+    guide's distributions do not depend on the particle (its params are shared), every particle
+    then draws the same value, so a vectorized ELBO must equal the same ELBO with one particle
+    (:meth:`PDVI._check_particle_broadcasting <pyro_pdvi.PDVI._check_particle_broadcasting>`).
+
+    :raises Uncentred: at a site with no such value (a discrete guide site, a mean outside
+        the support).
+    """
+
+    def _process_message(self, msg: Message) -> None:
+        if msg["type"] != "sample" or msg["is_observed"] or msg["value"] is not None:
+            return
+        if msg["infer"].get("enumerate") or is_subsample_site(msg):
+            return
+        fn = msg["fn"]
+        value = None
+        innermost = fn
+        while isinstance(innermost, (Independent, TransformedDistribution)):
+            innermost = innermost.base_dist
+        if isinstance(innermost, (Normal, MultivariateNormal)):
+            base = fn.base_dist if isinstance(fn, TransformedDistribution) else fn
+            value = reparameterized(fn, innermost.loc.new_zeros(base.batch_shape + base.event_shape))
+        if value is None:
+            try:
+                value = fn.mean
+            except NotImplementedError:
+                raise Uncentred(msg["name"]) from None
+            if not bool(torch.isfinite(value).all()) or not bool(fn.support.check(value).all()):
+                raise Uncentred(msg["name"])
+        msg["value"] = value
+
+
+def one_particle(loss: Any) -> Any | None:
+    """The same ELBO (class and settings) drawing one particle, not vectorized, or ``None`` if
+    ``loss`` is not one of :data:`REBUILDABLE`."""
+    return with_particles(loss, 1, vectorize=False)
+
+
+def particles_agree(vectorized: torch.Tensor, single: torch.Tensor) -> bool:
+    """Whether a loss at identical vectorized particles (:class:`CentralDraws`) equals the same
+    ELBO's loss at one particle, within :data:`AGREEMENT_EPSILONS` of rounding."""
+    vectorized, single = vectorized.detach(), single.detach()
+    tolerance = AGREEMENT_EPSILONS * torch.finfo(vectorized.dtype).eps
+    scale = max(float(vectorized.abs()), float(single.abs()), 1.0)
+    return abs(float(vectorized) - float(single)) <= tolerance * scale

@@ -42,11 +42,14 @@ from .objective import BlockObjective, loss_function
 from .params import ParamStoreView
 from .particles import (
     NOISE_DRAWS,
+    CentralDraws,
     SolveLoss,
     affordable_particles,
     check_particles,
     consensus_noise,
     evaluation_size,
+    one_particle,
+    particles_agree,
     solve_loss,
 )
 from .problem import BlockProblem
@@ -99,6 +102,13 @@ class StepSolution(NamedTuple):
     parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
     seeds: list[int]
     held_gradients: torch.Tensor | None = None
+
+
+#: How to write a model that takes vectorized particles (the warnings of PDVI's particle checks).
+PARTICLE_SHAPES_FIX = (
+    "Write the model so that it broadcasts over a leading particle dimension (index from the "
+    "right and put per-group sites in a plate, as Pyro's tensor shapes tutorial does)"
+)
 
 
 class PDVI(StepSizeUpkeep):
@@ -168,7 +178,9 @@ class PDVI(StepSizeUpkeep):
         particles when the user's ELBO does not vectorize several (Pyro's default draws one):
         as many as cost little, between 2 and 64, counted at set-up
         (:func:`~pyro_pdvi.infer.particles.affordable_particles`); else with the user's ELBO.
-        An even number sets them; ``None`` solves with the user's ELBO as it is.
+        An even number sets them; ``None`` solves with the user's ELBO as it is. Where the
+        model cannot take vectorized particles (it raises, or counts a term once per particle:
+        checked at the first step), they are drawn in a loop, 8 for ``"auto"``, with a warning.
     :param antithetic: draw every Gaussian guide site's noise in antithetic pairs over the
         solve's vectorized particles (:mod:`~pyro_pdvi.infer.antithetic`), which removes the
         term linear in the noise from a fixed-noise block solve. ``"auto"`` (default): on
@@ -380,7 +392,9 @@ class PDVI(StepSizeUpkeep):
         guesses max_plate_nesting by tracing, which draws) must not shift the fixed noise of the
         first solve, nor differ between a fresh and a resumed run. Where PDVI draws the solves'
         particles (``particles="auto"``), it chooses how many first (:meth:`_choose_particles`).
-        If the model cannot take them, the solves use the user's ELBO as it is."""
+        If the model cannot take them vectorized (it raises, or it counts a term once per
+        particle: :meth:`_check_particle_broadcasting`), the solves draw them in a loop
+        (:meth:`_loop_particles`)."""
         first = self.partition.stacked(torch.tensor([0]), self.device)
         rows = self._params.rows(first)
         # Through Pyro, not recorded: the ELBO's set-up runs in it, and a graph must hold only
@@ -393,16 +407,12 @@ class PDVI(StepSizeUpkeep):
             except Exception as error:
                 if not self._solve_loss.owned:
                     raise
-                particles = self._solve_loss.loss.num_particles
-                self._solve_loss = solve_loss(self.loss, None, self.antithetic, self._noisy_solve)
-                self._objective.loss_fn = self._solve_loss.fn
-                warn_user(
-                    f"PDVI could not vectorize the model over {particles} "
-                    f"particles for its block solves ({type(error).__name__}: {error}); they use the "
-                    "loss as given. Write the model so that it broadcasts over a leading particle "
-                    "dimension (see Pyro's vectorize_particles), or pass particles=None.",
+                self._loop_particles(
+                    f"the model could not be evaluated over {self._solve_loss.loss.num_particles} "
+                    f"vectorized particles ({type(error).__name__}: {error})"
                 )
                 self._objective.bind(first, [0], args, kwargs)(self._copies(self._state.consensus, 1), rows)
+            self._check_particle_broadcasting(first, rows, args, kwargs)
         if self._noisy_solve and getattr(self._solve_loss.loss, "num_particles", 2) == 1:
             warn_user(
                 "PDVI holds the Monte Carlo noise fixed within each primal solve, and the solve's loss "
@@ -411,12 +421,83 @@ class PDVI(StepSizeUpkeep):
                 "TraceEnum_ELBO, which PDVI can give more particles.",
             )
 
+    def _check_particle_broadcasting(
+        self, first: torch.Tensor, rows: dict, args: tuple, kwargs: dict
+    ) -> None:
+        """Whether the solves' vectorized particles compute the user's loss. With every guide draw
+        at a central value, the same for each particle
+        (:class:`~pyro_pdvi.infer.particles.CentralDraws`), the solve's ELBO on the first block
+        must equal the same ELBO at one particle. Under vectorized particles a global draw has a
+        leading particle dimension, and a model written for one draw may broadcast it against
+        the particles of another tensor: ``m[..., None] + e[..., idx]`` with ``m`` scalar and
+        ``e`` a vector counts the data once per particle (measured: sd of ``q(m)`` 0.0066
+        against the exact 0.050, ``docs/benchmarks.md`` 13zf). Where PDVI drew the particles,
+        the solves then draw them in a loop (:meth:`_loop_particles`); where they are the user's, a
+        warning says so (Pyro's SVI with that loss counts the same). Guides with a site of no
+        central value (a discrete one) and models that run only vectorized are not checked."""
+        loss = self._solve_loss.loss
+        single = one_particle(loss) if getattr(loss, "vectorize_particles", False) else None
+        if single is None:
+            return
+        copies = self._copies(self._state.consensus, 1)
+
+        def central_loss(fn: Callable) -> torch.Tensor:
+            self._objective.loss_fn = fn
+            with CentralDraws():
+                return self._objective.bind(first, [0], args, kwargs)(copies, rows).detach()
+
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                vectorized = central_loss(loss_function(loss))  # not under antithetic noise
+                single = central_loss(loss_function(single))
+        except Exception:  # a guide site of no central value (Uncentred), a model run only vectorized
+            return
+        finally:
+            self._objective.loss_fn = self._solve_loss.fn
+        if particles_agree(vectorized, single):
+            return
+        if not self._solve_loss.owned:
+            warn_user(
+                f"The loss's {loss.num_particles} vectorized particles do not compute one particle's "
+                f"loss: {self._broadcast_finding(vectorized, single)}. Pyro's SVI with this loss "
+                f"counts the same. {PARTICLE_SHAPES_FIX}, or use vectorize_particles=False.",
+            )
+            return
+        self._loop_particles(
+            f"at {loss.num_particles} vectorized particles " + self._broadcast_finding(vectorized, single)
+        )
+
+    @staticmethod
+    def _broadcast_finding(vectorized: torch.Tensor, single: torch.Tensor) -> str:
+        return (
+            f"with every particle at the same draw the first block's loss is {float(vectorized):.6g}, "
+            f"and {float(single):.6g} at one particle: some site broadcasts against the particle "
+            "dimension (each draw gains a leading particle dimension, and an expression written "
+            "for one draw, such as m[..., None] + e[..., idx] with e a to_event vector, can "
+            "broadcast it against another draw's)"
+        )
+
+    def _loop_particles(self, reason: str) -> None:
+        """The solves draw PDVI's particles in a loop, in antithetic pairs, where the model cannot
+        take vectorized ones; a warning says why (``reason``) and what it costs."""
+        self._solve_loss = solve_loss(
+            self.loss, self.particles, self.antithetic, self._noisy_solve, looped=True
+        )
+        self._objective.loss_fn = self._solve_loss.fn
+        particles = getattr(self._solve_loss.loss, "num_particles", 1)
+        warn_user(
+            f"PDVI's block solves cannot draw vectorized particles in this model: {reason}. They "
+            f"draw {particles} particle(s) in a loop instead, each an evaluation of the model (a "
+            f"solve then costs about {particles}x). {PARTICLE_SHAPES_FIX}, or pass particles=None "
+            "to solve with the loss as given.",
+        )
+
     def _choose_particles(self, first: torch.Tensor, rows: dict, args: tuple, kwargs: dict) -> None:
         """Draw as many particles in the solves as cost little
         (:func:`~pyro_pdvi.infer.particles.affordable_particles`): the first block evaluated with
         2 and with 4, its operations and elements counted. The choice depends on shapes only, so
         a resumed run makes the same; where the model cannot take 2 or 4 particles, the solve's
-        loss is left as it was (the warm-up then falls back to the user's ELBO, with a warning).
+        loss is left as it was (the warm-up then draws them in a loop, with a warning).
         Counted on one block: a vectorized solve over several blocks at once
         (``GenericSolver(vectorize=True)``) makes as many times the elements per operation, so
         there the particles cost more than this count allows for."""
@@ -597,16 +678,23 @@ class PDVI(StepSizeUpkeep):
     def _reported_params(self) -> torch.Tensor:
         """What the param store holds of the globals: ``lambda_0`` in the params' coordinates, or
         the estimate once ``estimate_after_epochs`` passed (in one process: across processes
-        each holds its own blocks' copies only), the scales that their fixed point sets kept."""
+        each holds its own blocks' copies only), the scales that their fixed point sets kept. In
+        the first epoch (one process), those scales are estimated from the blocks seen so far
+        (:meth:`~pyro_pdvi.infer.scales.ScaleFixedPoint.early_scales_at`), which the solves do not
+        use: they hold the scales until every block has been seen."""
         after = self.estimate_after_epochs
         if after is None or self._shares_steps or self._block_visits < after * len(self.partition):
-            return self._consensus_params
-        estimate = self._state.estimate()
-        if self._coupling is not None:
-            estimate = self._coupling.inverse(estimate)
-        if self._scales is not None:
-            estimate[self._scales.coordinates] = self._consensus_params[self._scales.coordinates]
-        return estimate
+            reported = self._consensus_params
+        else:
+            reported = self._state.estimate()
+            if self._coupling is not None:
+                reported = self._coupling.inverse(reported)
+            if self._scales is not None:
+                reported[self._scales.coordinates] = self._consensus_params[self._scales.coordinates]
+        if self._scales is not None and not self._shares_steps and self._block_visits < len(self.partition):
+            reported = reported.clone()
+            reported[self._scales.coordinates] = self._scales.early_scales_at(reported)
+        return reported
 
     def _gradients_at(
         self, point: torch.Tensor, solved: StepSolution, args: tuple, kwargs: dict

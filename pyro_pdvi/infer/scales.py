@@ -53,6 +53,7 @@ from pyro import poutine
 from torch.distributions import biject_to
 from torch.distributions.transforms import AffineTransform, ComposeTransform, ExpTransform, Transform
 
+from .consensus import EARLY_CONCENTRATED_SHARE
 from .fisher import gaussian_parameters
 from .handlers import BlockSubsample, FixedNoise, ParamOverride, is_subsample_site
 from .sites import DataPlate, GlobalLayout
@@ -67,6 +68,10 @@ MAX_VISIT_WEIGHT_ORDER = 3
 #: The blocks at which order 1 (weights growing linearly) was measured to average the visits'
 #: Monte Carlo noise well enough (``docs/benchmarks.md`` 13i, the suite's small models).
 LINEAR_WEIGHT_BLOCKS = 20
+
+#: The first epoch's reported scales are estimated once this many blocks have been seen
+#: (:meth:`ScaleFixedPoint.early_scales_at`).
+EARLY_ESTIMATE_BLOCKS = 4
 
 
 def visit_weight_order(num_blocks: int) -> int:
@@ -331,17 +336,58 @@ class ScaleFixedPoint:
         """The coordinates' values at the fixed point ``sigma_i = (sum_b h_bi)^(-1/2)``, shape
         ``(K,)``, in ``point``'s dtype: their values in ``point`` until every block has been seen,
         and where the precision is not positive."""
-        u = point.detach().to(torch.float64)[self.coordinates]
         ready = self.num_seen >= len(self.visits)
         positive = self.total > 0
         self.non_positive = torch.where(ready, (~positive).sum(), 0)
-        target = torch.where(positive, self.total, 1.0).rsqrt()
-        values, start = [], 0
+        return self._values_at(point, self.total, ready & positive)
+
+    def early_scales_at(self, point: torch.Tensor) -> torch.Tensor:
+        """Before every block has been seen: the scales of ``sum_b h_bi`` estimated from the blocks
+        seen, each block not yet seen counted as the median seen one (per coordinate), once
+        :data:`EARLY_ESTIMATE_BLOCKS` have been seen. Not for a site of which some coordinate is
+        held by one seen block (more than
+        :data:`~pyro_pdvi.infer.consensus.EARLY_CONCENTRATED_SHARE` of the seen blocks' ``h``: a
+        group's random effect): where that block is not yet seen, the others say only what the
+        prior does, and the prior's scale is further from the optimum than the guide's start.
+        Elsewhere (before that many blocks, once every block has been seen, where the estimated
+        precision is not positive) the coordinates' values in ``point``. Of this process's blocks
+        only; ``O(nK)``, as :meth:`~pyro_pdvi.infer.consensus.ConsensusState.estimate` is.
+
+        What PDVI reports in the first epoch (``PDVI._reported_params``); the solves keep the
+        scales held. With such scales in the solves, the random-effects model's ELBO gap was 2-7x
+        larger in epochs 2-3 (``docs/benchmarks.md`` 13ze).
+
+        :param point: ``lambda_0``, flat.
+        :returns: ``(K,)`` in ``point``'s dtype.
+        """
+        seen = self.visits > 0
+        count = seen.sum()
+        early = (count >= EARLY_ESTIMATE_BLOCKS) & (count < len(self.visits))
+        seen_information = torch.where(seen[:, None], self.information, 0.0)
+        typical = torch.where(seen[:, None], self.information, float("nan")).nanmedian(0).values
+        total = seen_information.sum(0) + (len(self.visits) - count) * typical
+        shares = seen_information.clamp(min=0)
+        held_by_one = shares.max(0).values > EARLY_CONCENTRATED_SHARE * shares.sum(0)
+        sites = torch.cat(
+            [held_by_one[span].any().expand(span.stop - span.start) for span in self._spans()]
+        )  # fmt: skip
+        return self._values_at(point, total, early & (total > 0) & ~sites)
+
+    def _spans(self) -> list[slice]:
+        """Each map's entries among the coordinates."""
+        spans, start = [], 0
         for m in self.maps:
-            part = slice(start, start + len(m.coordinates))
-            values.append(m.transform.inv(target[part]))
+            spans.append(slice(start, start + len(m.coordinates)))
             start += len(m.coordinates)
-        return torch.where(ready & positive, torch.cat(values), u).to(point.dtype)
+        return spans
+
+    def _values_at(self, point: torch.Tensor, precision: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
+        """The coordinates' values whose scales are ``precision^(-1/2)`` where ``use``, their
+        values in ``point`` elsewhere; ``(K,)`` in ``point``'s dtype."""
+        u = point.detach().to(torch.float64)[self.coordinates]
+        target = torch.where(use, precision, 1.0).rsqrt()
+        values = [m.transform.inv(target[span]) for m, span in zip(self.maps, self._spans())]
+        return torch.where(use, torch.cat(values), u).to(point.dtype)
 
     def state_dict(self) -> dict:
         return {

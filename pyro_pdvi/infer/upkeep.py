@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import warn_user
+from .consensus import EARLY_CONCENTRATED_SHARE
 from .coupling import measure_coupling, unit_vectors
 from .fisher import fisher_diagonal
 from .hessian_products import hessian_products
@@ -51,12 +52,6 @@ COUPLING_RELATIVE_STEP = 1e-2
 #: relative distance of central differences of the gradient.
 SECOND_ORDER_TOLERANCE = 0.05
 
-#: The round sites' constant is not set before the first epoch's end
-#: (:meth:`StepSizeUpkeep._scale_round_sites_early`) where one of the first blocks holds more than
-#: this share of some coordinate's information over them: a group's random effect with one block
-#: per group (0.996-1.0 in the tests' and the suite's random-effects models), not a coefficient
-#: whose covariate sorts the blocks (0.79 for the tests' regression sorted by its first covariate).
-EARLY_CONCENTRATED_SHARE = 0.9
 
 #: The whitening's Hessian of a block of more data is estimated from this many of them
 #: (:meth:`StepSizeUpkeep._whiten_sites`): its cost then does not grow with the block.

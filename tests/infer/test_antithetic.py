@@ -7,10 +7,18 @@ import torch
 from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
+from pyro.infer.enum import config_enumerate
 from torch.distributions import constraints
 
 from pyro_pdvi import PDVI, AntitheticNoise, GenericSolver
-from pyro_pdvi.infer.particles import affordable_particles, evaluation_size
+from pyro_pdvi.infer.antithetic import LoopedAntitheticNoise
+from pyro_pdvi.infer.particles import (
+    CentralDraws,
+    Uncentred,
+    affordable_particles,
+    evaluation_size,
+    particles_agree,
+)
 
 from ..toy_models import Hierarchical
 
@@ -51,6 +59,76 @@ def test_gaussian_sites_are_drawn_in_mirrored_pairs():
     # A non-Gaussian site is left to Pyro.
     gamma = nodes["gamma"]["value"].reshape(2, -1)
     assert not torch.allclose(gamma[0], gamma[1])
+
+
+def test_looped_particles_are_drawn_in_mirrored_pairs_with_their_second_moment_matched():
+    """The ``k``-th visit of a site takes ``z_j`` for ``k = 2j``, ``-z_j`` for ``k = 2j + 1``;
+    over the pairs the noise of every coordinate has mean square 1; non-Gaussian sites are left
+    to Pyro."""
+    visits = []
+    with LoopedAntitheticNoise(K, match_second_moment=True):
+        for _ in range(K):
+            with poutine.trace() as tracer:
+                _guide()
+            visits.append(tracer.trace.nodes)
+    stacked = {name: torch.stack([v[name]["value"] for v in visits]) for name in visits[0]}
+    pairs = {
+        "normal": stacked["normal"] - torch.tensor([0.5, -1.0]),
+        "lognormal": stacked["lognormal"].log() - 0.3,
+        "local": stacked["local"] - torch.arange(3.0),
+    }
+    for name, noise in pairs.items():
+        first, second = noise[0::2], noise[1::2]
+        assert torch.allclose(first, -second, atol=1e-6) and not torch.allclose(first, second), name
+    normal_noise = pairs["normal"][0::2] / 2.0  # its scale is 2
+    assert torch.allclose(normal_noise.square().mean(0), torch.ones(2), atol=1e-5)
+    assert _is_mirrored(stacked["mvn"][[0, 2, 4, 1, 3, 5]], torch.tensor([0.5, -1.0]))
+    gamma = stacked["gamma"]
+    assert not torch.allclose(gamma[0], gamma[1])
+    with pytest.raises(ValueError, match="num_particles: 3"):
+        LoopedAntitheticNoise(3)
+
+
+def test_central_draws_are_the_same_for_every_particle():
+    """Gaussian sites at zero noise (their location through their transforms), others at their
+    mean; every particle the same value."""
+    with CentralDraws(), poutine.trace() as tracer:
+        pyro.plate("num_particles_vectorized", K, dim=-2)(_guide)()
+    nodes = tracer.trace.nodes
+    expected = {
+        "normal": torch.tensor([0.5, -1.0]),
+        "lognormal": torch.tensor(0.3).exp(),
+        "mvn": torch.tensor([0.5, -1.0]),
+        "gamma": torch.tensor(2.0),
+        "local": torch.arange(3.0),
+    }
+    for name, value in expected.items():
+        assert torch.allclose(nodes[name]["value"], value.expand_as(nodes[name]["value"])), name
+    assert nodes["local"]["value"].shape == (K, 3)
+
+
+def test_central_draws_leave_enumerated_sites_and_refuse_a_discrete_draw():
+    @config_enumerate
+    def enumerated():
+        pyro.sample("z", dist.Bernoulli(0.3))
+
+    with CentralDraws(), poutine.trace() as tracer:
+        poutine.enum(enumerated, first_available_dim=-1)()
+    assert tracer.trace.nodes["z"]["value"].shape == (2,)  # enumerated, not drawn
+    with CentralDraws(), pytest.raises(Uncentred, match="coin"):
+        pyro.sample("coin", dist.Bernoulli(0.3))
+
+
+def test_particles_agree_within_rounding_of_the_loss():
+    f32 = torch.float32  # 1,000 epsilons: 1.2e-4 of the loss
+    assert particles_agree(torch.tensor(1000.0, dtype=f32), torch.tensor(1000.05, dtype=f32))
+    assert not particles_agree(torch.tensor(1000.0, dtype=f32), torch.tensor(1000.5, dtype=f32))
+    assert particles_agree(
+        torch.tensor(1e-3, dtype=torch.float64), torch.tensor(1e-3 + 1e-14, dtype=torch.float64)
+    )
+    assert not particles_agree(
+        torch.tensor(2.0, dtype=torch.float64), torch.tensor(2.0 + 1e-9, dtype=torch.float64)
+    )
 
 
 def test_autonormal_noise_averages_to_zero_in_every_site():

@@ -253,7 +253,7 @@ def poisson_effects(idx=None):
         theta = pyro.sample("theta", dist.Normal(torch.zeros(()), 1.0))
         pyro.sample(
             "x",
-            dist.Poisson((z.unsqueeze(-2) + theta.unsqueeze(-1)).exp()).to_event(1),
+            dist.Poisson((z + theta.unsqueeze(-1)).exp()).to_event(1),
             obs=DATA[i].abs().round(),
         )
 
@@ -317,3 +317,77 @@ def test_the_visits_weights_grow_with_an_order_that_follows_the_blocks():
         weights = torch.stack([ks + i for i in range(order)]).prod(0)
         expected = (weights * values).sum() / weights.sum()
         assert float(fixed.information[0, 0]) == pytest.approx(float(expected), rel=1e-12)
+
+
+#: Eight blocks of two data for the first epoch's reported scales: block ``b`` has noise sd
+#: ``EARLY_NOISE[b]`` on both of its data.
+EARLY_NOISE = torch.tensor([0.5, 2.0, 1.0, 0.7, 1.5, 0.9, 3.0, 1.2], dtype=torch.float64)
+EARLY_BLOCKS = [torch.arange(2 * b, 2 * b + 2) for b in range(len(EARLY_NOISE))]
+
+
+def early_means(idx=None):
+    """``normal_means`` over the eight blocks of ``EARLY_NOISE``."""
+    noise = EARLY_NOISE.repeat_interleave(2)
+    data = torch.linspace(-2.0, 2.0, len(noise), dtype=torch.float64)[:, None] + torch.arange(DIM)
+    z = pyro.sample("z", dist.Normal(torch.zeros(DIM), PRIOR_SD).to_event(1))
+    with pyro.plate("data", len(noise), subsample=idx) as i:
+        pyro.sample("x", dist.Normal(z, noise[i, None]).to_event(1), obs=data[i])
+
+
+def test_the_first_epoch_reports_scales_from_the_blocks_seen_and_the_solves_keep_theirs():
+    """From the 4th block of the first epoch the param store holds the scales of the seen blocks'
+    precisions plus, for each block not yet seen, the median seen one's (torch's median: the lower
+    middle value of an even count); exact here, where Price's estimate is exact (the conjugate
+    model). The state, which the solves use, keeps the scales until every block has been seen."""
+    guide = AutoNormal(early_means, init_scale=0.5)
+    pdvi = PDVI(early_means, guide, pyro.optim.Adam({"lr": 0.01}), TraceMeanField_ELBO(), blocks=EARLY_BLOCKS)
+    order = [6, 0, 3, 5, 1, 2, 4, 7]
+    shares = [(2 / 16) / PRIOR_SD**2 + 2 / EARLY_NOISE[b] ** 2 for b in range(len(EARLY_NOISE))]
+    for k, b in enumerate(order, start=1):
+        pdvi.step(EARLY_BLOCKS[b])
+        if k == 1:
+            span = pdvi.layout.slices["AutoNormal.scales.z"]
+            held = pdvi.state.consensus[span].clone()
+        reported = pyro.param("AutoNormal.scales.z").detach()
+        if k < 4:
+            assert torch.allclose(reported, torch.full((DIM,), 0.5, dtype=torch.float64), rtol=1e-12)
+        elif k < len(order):
+            seen = torch.stack([shares[s] for s in order[:k]])
+            precision = seen.sum() + (len(order) - k) * seen.median()
+            assert torch.allclose(reported, precision.rsqrt().expand(DIM), rtol=1e-10), k
+            assert torch.equal(pdvi.state.consensus[span], held)
+    precision = torch.stack(shares).sum()
+    assert torch.allclose(
+        pyro.param("AutoNormal.scales.z").detach(), precision.rsqrt().expand(DIM), rtol=1e-10
+    )
+
+
+def group_effects(idx=None):
+    """A shared mean ``m`` and an effect per group, one group per block: ``x_i ~ N(m + e_g(i), 0.3^2)``."""
+    groups = torch.arange(6).repeat_interleave(3)
+    data = torch.linspace(-1.0, 2.0, len(groups), dtype=torch.float64)
+    m = pyro.sample("m", dist.Normal(torch.zeros((), dtype=torch.float64), 2.0))
+    with pyro.plate("groups", 6):
+        e = pyro.sample("e", dist.Normal(torch.zeros((), dtype=torch.float64), 1.0))
+    with pyro.plate("data", len(groups), subsample=idx) as i:
+        pyro.sample("x", dist.Normal(m + e[..., groups[i]], 0.3), obs=data[i])
+
+
+def test_the_first_epoch_keeps_the_start_of_a_site_that_one_seen_block_informs():
+    """A group's effect is informed by its own block only: before every block has been seen, the
+    other blocks say only what the prior does about it, so the effects' site keeps its start in
+    the param store, while the shared mean's scale is estimated from the blocks seen."""
+    blocks = [torch.arange(3 * g, 3 * g + 3) for g in range(6)]
+    guide = AutoNormal(group_effects, init_scale=0.5)
+    pdvi = PDVI(group_effects, guide, pyro.optim.Adam({"lr": 0.01}), TraceMeanField_ELBO(), blocks=blocks)
+    for g in range(4):
+        pdvi.step(blocks[g])
+    assert torch.allclose(
+        pyro.param("AutoNormal.scales.e").detach(), torch.full((6,), 0.5, dtype=torch.float64)
+    )
+    # The mean's coordinate: the first of the fixed point's (its scale site comes first in the guide).
+    fixed = pdvi._scales
+    assert fixed.maps[0].params == "AutoNormal.scales.m"
+    seen = fixed.information[:4, 0]
+    precision = seen.sum() + 2 * seen.median()
+    assert float(pyro.param("AutoNormal.scales.m")) == pytest.approx(float(precision.rsqrt()), rel=1e-10)

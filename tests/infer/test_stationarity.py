@@ -94,8 +94,9 @@ def _fit(step_decay: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     pdvi = PDVI(
-        model, AutoNormal(model), pyro.optim.Adam({}), Trace_ELBO(), blocks=BLOCKS, step_decay=step_decay
-    )
+        model, AutoNormal(model), pyro.optim.Adam({}), Trace_ELBO(), blocks=BLOCKS, step_decay=step_decay,
+        particles=None,
+    )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pdvi.run(40, progress_bar=False, check_convergence=False, subsample_arg="idx")
@@ -104,7 +105,9 @@ def _fit(step_decay: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def test_step_decay_brings_a_one_particle_fit_closer_to_the_mean_field_optimum():
-    """Bayesian logistic regression on label-sorted blocks, Pyro's one-particle ELBO, float64:
+    """Bayesian logistic regression on label-sorted blocks, Pyro's one-particle ELBO in the solves
+    (``particles=None``; PDVI's own, in a loop as this model cannot take vectorized ones, put the
+    means 0.001-0.004 from the optimum after 40 epochs against 0.035-0.13: 13zf), float64:
     after 40 epochs the RMS errors of the variational means and log standard deviations
     against the exact mean-field optimum, over three seeds, are smaller with the stationarity
     test than with a constant step."""
