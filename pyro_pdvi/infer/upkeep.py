@@ -28,6 +28,7 @@ A change of step sizes moves ``lambda_0`` with ``h = H mean(mu)`` and keeps the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -52,6 +53,12 @@ COUPLING_RELATIVE_STEP = 1e-2
 #: relative distance of central differences of the gradient.
 SECOND_ORDER_TOLERANCE = 0.05
 
+
+#: A block's diagonal curvature at its first visit is estimated from this many of its data
+#: (:meth:`StepSizeUpkeep._measure_new_blocks`): on the suite's logistic regression of 100,000
+#: rows in blocks of 1,000 that took a third of the first epoch; from 256 rows, its first three
+#: epochs took 0.3-0.4 CPU s less, their errors the same to two digits (``docs/benchmarks.md`` 13zf).
+CURVATURE_ROWS = 256
 
 #: The whitening's Hessian of a block of more data is estimated from this many of them
 #: (:meth:`StepSizeUpkeep._whiten_sites`): its cost then does not grow with the block.
@@ -167,7 +174,8 @@ class StepSizeUpkeep:
         """Measure the diagonal curvature ``c_b`` of the blocks just solved for the first time, at
         the new ``lambda_0``: the weights of the ``"weighted"`` global update
         (:meth:`~pyro_pdvi.infer.consensus.ConsensusState.set_information`) and, under the
-        natural rule, the bound ``eta_j <= 8 / max_b c_bj`` over the blocks seen so far.
+        natural rule, the bound ``eta_j <= 8 / max_b c_bj`` over the blocks seen so far. A block
+        of more data is measured on :data:`CURVATURE_ROWS` of them (:meth:`_subsampled_products`).
         Processes that share steps measure their own blocks and add up the rows.
 
         :returns: whether a bound of the natural rule grew.
@@ -182,7 +190,7 @@ class StepSizeUpkeep:
         probes = self.auto_step_size.curvature_probes
         seed = self._side_seed(-1)
         for b in new:
-            products = self._block_hessian_products(b, args, kwargs, seed + b)
+            products = partial(self._subsampled_products, b, args, kwargs, seed + b, CURVATURE_ROWS)
             # A probe that left the model's domain (a product that is not finite) measures
             # nothing: such a coordinate counts as uninformed, never as a step size of NaN.
             curvature = diagonal_curvature(products, self._consensus_params, probes)
@@ -343,15 +351,22 @@ class StepSizeUpkeep:
 
         def products(b: int, directions: torch.Tensor) -> torch.Tensor:
             block_args, block_kwargs = self._first_step_args.get(b, (args, kwargs))
-            try:
-                measured = self._block_hessian_products(
-                    b, block_args, block_kwargs, seed + b, max_rows=WHITENING_ROWS
-                )(directions)
-            except (RuntimeError, ValueError):  # a model that cannot take a subset of a block
-                measured = self._block_hessian_products(b, block_args, block_kwargs, seed + b)(directions)
-            return measured
+            return self._subsampled_products(
+                b, block_args, block_kwargs, seed + b, WHITENING_ROWS, directions
+            )
 
         return products
+
+    def _subsampled_products(
+        self, b: int, args: tuple, kwargs: dict, seed: int, max_rows: int, directions: torch.Tensor
+    ) -> torch.Tensor:
+        """``V H_b`` (:meth:`_block_hessian_products`), estimated on at most ``max_rows`` of the
+        block's data, on all of them where the model does not take a subset (it raises: data
+        that the step passes in its arguments are the whole block's)."""
+        try:
+            return self._block_hessian_products(b, args, kwargs, seed, max_rows=max_rows)(directions)
+        except (RuntimeError, ValueError):
+            return self._block_hessian_products(b, args, kwargs, seed)(directions)
 
     def _whiten_sites(self, args: tuple, kwargs: dict) -> None:
         """Once, when every block is measured: give each small site a dense penalty

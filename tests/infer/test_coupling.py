@@ -384,9 +384,9 @@ def test_the_measurement_evaluates_each_block_with_its_own_step_arguments(monkey
     seen: dict[int, torch.Tensor] = {}
     products = PDVI._block_hessian_products
 
-    def recorded(self, b, args, kwargs, seed, relative_step=None):
+    def recorded(self, b, args, kwargs, seed, *options, **keywords):
         seen[b] = args[0]
-        return products(self, b, args, kwargs, seed, relative_step)
+        return products(self, b, args, kwargs, seed, *options, **keywords)
 
     monkeypatch.setattr(PDVI, "_block_hessian_products", recorded)
     pdvi = _fit(model, blocks, 1, seed=0)

@@ -519,3 +519,47 @@ def test_pdvi_sets_the_natural_constant_by_the_local_rows_its_solves_fit():
         )  # fmt: skip
         pdvi._setup((toy.blocks[0],), {})
         assert pdvi.auto_step_size.scale == expected
+
+
+def _first_visit_information(model, step_args, monkeypatch, rows):
+    """The loc coordinate of the first block's measured curvature, and the subsample sizes the
+    model saw, with ``CURVATURE_ROWS = rows``."""
+    monkeypatch.setattr(upkeep, "CURVATURE_ROWS", rows)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    blocks = list(torch.arange(40).chunk(2))
+    loss = TraceMeanField_ELBO(num_particles=4, vectorize_particles=True)
+    pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({}), loss, blocks=blocks, graph_replay=False)
+    sizes = model.sizes = []
+    pdvi.step(*step_args(blocks[0]))
+    loc = pdvi.layout.slices["AutoNormal.locs.z"].start
+    return float(pdvi.state.information[0, loc]), set(sizes)
+
+
+def test_a_block_of_more_data_is_measured_on_a_subset_of_them(monkeypatch):
+    """A block of more than ``CURVATURE_ROWS`` data has its first curvature measured on that
+    many, drawn at random, the data term scaled up: for a normal mean with one noise sd every
+    datum adds the same curvature, so the estimate is exact (``20 / 0.5^2 + 1 / 2``: the
+    block's data and its half of the prior's). A model that takes the block's data in its step
+    arguments cannot take a subset (Pyro's plate refuses the shapes): it is measured on all."""
+    data = torch.linspace(-1.0, 1.0, 40)
+
+    def by_index(idx):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", 40, subsample=idx) as i:
+            by_index.sizes.append(len(i))
+            pyro.sample("x", dist.Normal(z, 0.5), obs=data[i])
+
+    def by_argument(idx, block_data):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", 40, subsample=idx) as i:
+            by_argument.sizes.append(len(i))
+            pyro.sample("x", dist.Normal(z, 0.5), obs=block_data)
+
+    exact = 20 / 0.5**2 + 1 / 2
+    whole, sizes = _first_visit_information(by_index, lambda b: (b,), monkeypatch, rows=1000)
+    assert whole == pytest.approx(exact, rel=1e-9) and 8 not in sizes
+    subset, sizes = _first_visit_information(by_index, lambda b: (b,), monkeypatch, rows=8)
+    assert subset == pytest.approx(exact, rel=1e-9) and 8 in sizes
+    passed, sizes = _first_visit_information(by_argument, lambda b: (b, data[b]), monkeypatch, rows=8)
+    assert passed == pytest.approx(exact, rel=1e-9) and sizes == {8, 20}  # tried, then all
