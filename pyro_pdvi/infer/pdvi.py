@@ -411,8 +411,11 @@ class PDVI(StepSizeUpkeep):
                     f"the model could not be evaluated over {self._solve_loss.loss.num_particles} "
                     f"vectorized particles ({type(error).__name__}: {error})"
                 )
+            else:
+                self._check_particle_broadcasting(first, rows, args, kwargs)
+            if self._solve_loss.owned and not getattr(self._solve_loss.loss, "vectorize_particles", True):
+                # The looped ELBO's own lazy set-up, here and not in the first solve.
                 self._objective.bind(first, [0], args, kwargs)(self._copies(self._state.consensus, 1), rows)
-            self._check_particle_broadcasting(first, rows, args, kwargs)
         if self._noisy_solve and getattr(self._solve_loss.loss, "num_particles", 2) == 1:
             warn_user(
                 "PDVI holds the Monte Carlo noise fixed within each primal solve, and the solve's loss "

@@ -1,6 +1,7 @@
 """``PDVI.solve_noise``: the Monte Carlo noise the block solves leave in the consensus."""
 
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -181,3 +182,29 @@ def test_the_users_own_particles_that_count_the_data_twice_are_reported():
     with pytest.warns(UserWarning, match="Pyro's SVI with this loss counts the same"):
         pdvi.step(GROUP_BLOCKS[0])
     assert pdvi.solve_loss.loss is user_loss
+
+
+def test_a_resumed_looped_run_continues_as_the_uninterrupted_one():
+    """The looped particles are chosen again at the resumed run's first step: the same params
+    to the last digit."""
+
+    def run(split: bool) -> torch.Tensor:
+        pdvi = _group_pdvi(counted_per_particle, Trace_ELBO())
+        with pytest.warns(UserWarning):
+            _epochs(pdvi, GROUP_BLOCKS, 2)
+        if split:
+            state, params = pdvi.state_dict(), pyro.get_param_store().get_state()
+            pyro.clear_param_store()
+            pyro.get_param_store().set_state(params)
+            model = counted_per_particle
+            pdvi = PDVI(
+                model, AutoNormal(model), pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), blocks=GROUP_BLOCKS
+            )
+            pdvi.load_state_dict(state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _epochs(pdvi, GROUP_BLOCKS, 1)
+        assert not pdvi.solve_loss.loss.vectorize_particles
+        return torch.cat([pyro.param("AutoNormal.locs.e"), pyro.param("AutoNormal.scales.e")]).detach()
+
+    assert torch.equal(run(split=False), run(split=True))
