@@ -4,12 +4,13 @@ synchronisation, and a PDVI step keeps all of its state on the device. Skipped w
 import pyro
 import pytest
 import torch
-from pyro.infer import TraceEnum_ELBO, TraceMeanField_ELBO
+from pyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_pdvi import PDVI, BlockProblem
 from pyro_pdvi.models.gmm import GMMBlockSolver, GMMModel, make_biased_gmm
 
+from .infer.test_solve_noise import GROUP_BLOCKS, GROUP_DATA, GROUP_OF, GROUPS, _group_posterior
 from .infer.test_whitening import CorrelatedRegression, error, fit
 from .toy_models import intercepts_and_slopes
 
@@ -261,3 +262,35 @@ def test_whitened_site_keeps_its_state_on_cuda_and_reaches_the_exact_means():
     assert pdvi.state.duals.device.type == "cuda" and pdvi.state.consensus.device.type == "cuda"
     assert pyro.param("AutoNormal.locs.w").device.type == "cuda"
     assert error(problem) < 1e-6
+
+
+def test_a_model_written_for_one_draw_is_found_and_looped_on_cuda():
+    """The particle check (``docs/benchmarks.md`` 13zf) on the device: the group model written
+    for one draw (``tests/infer/test_solve_noise.py``) is flagged, its solves loop 8 antithetic
+    particles, its state stays on the device, and after 15 epochs its means are within 0.1
+    posterior sd of the optimum and its sds within 15%, as on the CPU."""
+    group_of, data = GROUP_OF.to(CUDA), GROUP_DATA.to(CUDA)
+    blocks = [block.to(CUDA) for block in GROUP_BLOCKS]
+
+    def model(idx):
+        m = pyro.sample("m", pyro.distributions.Normal(torch.zeros((), device=CUDA), 10.0))
+        e = pyro.sample("e", pyro.distributions.Normal(torch.zeros(GROUPS, device=CUDA), 1.0).to_event(1))
+        with pyro.plate("data", len(data), subsample=idx) as i:
+            pyro.sample("y", pyro.distributions.Normal(m[..., None] + e[..., group_of[i]], 1.0), obs=data[i])
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    pdvi = PDVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), blocks=blocks)
+    with pytest.warns(UserWarning, match="broadcasts against the particle dimension"):
+        for block in blocks:
+            pdvi.step(block)
+    assert pdvi.solve_loss.loss.num_particles == 8 and not pdvi.solve_loss.loss.vectorize_particles
+    for _ in range(14):
+        for block in blocks:
+            pdvi.step(block)
+    assert pdvi.state.consensus.device.type == "cuda"
+    means, sds = _group_posterior()
+    fitted_means = torch.cat([pyro.param("AutoNormal.locs.m").reshape(1), pyro.param("AutoNormal.locs.e")])
+    fitted_sds = torch.cat([pyro.param("AutoNormal.scales.m").reshape(1), pyro.param("AutoNormal.scales.e")])
+    assert ((fitted_means.detach().cpu().double() - means) / sds).abs().max() < 0.1
+    assert ((fitted_sds.detach().cpu().double() / sds) - 1).abs().max() < 0.15
