@@ -490,9 +490,9 @@ class PDVI(StepSizeUpkeep):
         particles = getattr(self._solve_loss.loss, "num_particles", 1)
         warn_user(
             f"PDVI's block solves cannot draw vectorized particles in this model: {reason}. They "
-            f"draw {particles} particle(s) in a loop instead, each an evaluation of the model (a "
-            f"solve then costs about {particles}x). {PARTICLE_SHAPES_FIX}, or pass particles=None "
-            "to solve with the loss as given.",
+            f"draw {particles} particle(s) in a loop instead, each an evaluation of the model (8 "
+            "cost an epoch 2.5-3x a vectorized one in docs/benchmarks.md 13zf). "
+            f"{PARTICLE_SHAPES_FIX}, or pass particles=None to solve with the loss as given.",
         )
 
     def _choose_particles(self, first: torch.Tensor, rows: dict, args: tuple, kwargs: dict) -> None:
