@@ -11,7 +11,8 @@ variational parameters and a dual ``mu_b``. A step over the blocks of its subsam
 4. sets the scales of Gaussian global guide sites to their mean-field fixed point, which the
    solves hold (:mod:`~pyro_pdvi.infer.scales`; ``scale_update``),
 5. writes ``lambda_0`` (from the third epoch on an estimate from every block's copy:
-   ``PDVI.estimate_after_epochs``) and the blocks' rows to the param store
+   ``PDVI.estimate_after_epochs``; in the second already where ``lambda_0`` swings,
+   :mod:`~pyro_pdvi.infer.swing`) and the blocks' rows to the param store
    (:mod:`~pyro_pdvi.infer.params`),
 
 as written out in ``shared/docs/algorithm.md``. P2D-VI is the same with ``D = blkdiag(I/eta_j)``
@@ -67,6 +68,7 @@ from .step_sizes import (
     diagonal_curvature,
     resolve_groups,
 )
+from .swing import SwingMeter
 from .upkeep import StepSizeUpkeep
 from .whitening import SiteWhitening
 
@@ -130,7 +132,8 @@ class PDVI(StepSizeUpkeep):
     that plate with ``event_dim`` set are local (their rows are the block's ``phi_b``); all
     others are global. After each step the param store holds the latest local rows and,
     for the globals, the consensus ``lambda_0`` in the first two epochs and then the estimate of
-    :meth:`~pyro_pdvi.infer.consensus.ConsensusState.estimate` (``estimate_after_epochs``;
+    :meth:`~pyro_pdvi.infer.consensus.ConsensusState.estimate` (``estimate_after_epochs``; in
+    the second epoch already where ``lambda_0`` swings, :mod:`~pyro_pdvi.infer.swing`;
     ``PDVI.state.consensus`` is ``lambda_0``).
 
     :param model: the Pyro model.
@@ -376,6 +379,9 @@ class PDVI(StepSizeUpkeep):
         self._step_sizes = StepSizes(groups, self.layout, self.auto_step_size, len(self.partition))
         self._scales = self._find_scales(first_blocks, args, kwargs)
         self._held = self._held_coordinates()
+        held_scales = None if self._scales is None else self._scales.coordinates
+        self._swing = SwingMeter(len(self.partition), held_scales)
+        self._swing.add(self._consensus_params)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
@@ -653,7 +659,8 @@ class PDVI(StepSizeUpkeep):
     def estimate_after_epochs(self) -> float | None:
         """The param store holds the estimate of :meth:`ConsensusState.estimate` (the blocks'
         copies weighted by their measured information, plus ``h``) once this many epochs have
-        passed (default 2), and ``lambda_0`` before; ``None``: ``lambda_0`` throughout. The
+        passed (default 2), and ``lambda_0`` before, but where ``lambda_0`` swings after the
+        first epoch (:mod:`~pyro_pdvi.infer.swing`); ``None``: ``lambda_0`` throughout. The
         iteration is the same either way. Measured on the issue-13 suite (``docs/benchmarks.md``
         13t, four seeds, the same steps, so per epoch): from the end of the second epoch on, the
         estimate's ELBO gap was 0.33-0.95x ``lambda_0``'s (geometric mean over the epochs) on all
@@ -680,24 +687,36 @@ class PDVI(StepSizeUpkeep):
 
     def _reported_params(self) -> torch.Tensor:
         """What the param store holds of the globals: ``lambda_0`` in the params' coordinates, or
-        the estimate once ``estimate_after_epochs`` passed (in one process: across processes
-        each holds its own blocks' copies only), the scales that their fixed point sets kept. In
-        the first epoch (one process), those scales are estimated from the blocks seen so far
-        (:meth:`~pyro_pdvi.infer.scales.ScaleFixedPoint.early_scales_at`), which the solves do not
-        use: they hold the scales until every block has been seen."""
+        the estimate (:meth:`_estimate_params`) once ``estimate_after_epochs`` passed, and from
+        the first epoch's end before that where ``lambda_0`` swings (:mod:`~pyro_pdvi.infer.swing`);
+        both in one process only (across processes each holds its own blocks' copies). In the
+        first epoch (one process), the scales that their fixed point sets are estimated from the
+        blocks seen so far (:meth:`~pyro_pdvi.infer.scales.ScaleFixedPoint.early_scales_at`),
+        which the solves do not use: they hold the scales until every block has been seen."""
         after = self.estimate_after_epochs
-        if after is None or self._shares_steps or self._block_visits < after * len(self.partition):
-            reported = self._consensus_params
-        else:
-            reported = self._state.estimate()
-            if self._coupling is not None:
-                reported = self._coupling.inverse(reported)
-            if self._scales is not None:
-                reported[self._scales.coordinates] = self._consensus_params[self._scales.coordinates]
-        if self._scales is not None and not self._shares_steps and self._block_visits < len(self.partition):
+        visits, num_blocks = self._block_visits, len(self.partition)
+        reported = self._consensus_params
+        if after is not None and not self._shares_steps and visits >= min(after, 1) * num_blocks:
+            estimate = self._estimate_params()
+            if visits >= after * num_blocks:
+                reported = estimate
+            else:
+                reported = torch.where(self._swing.swinging().to(estimate.device), estimate, reported)
+        if self._scales is not None and not self._shares_steps and visits < num_blocks:
             reported = reported.clone()
             reported[self._scales.coordinates] = self._scales.early_scales_at(reported)
         return reported
+
+    def _estimate_params(self) -> torch.Tensor:
+        """:meth:`~pyro_pdvi.infer.consensus.ConsensusState.estimate` in the params' coordinates,
+        with the scales that their fixed point sets at ``lambda_0``'s (they are not copies'
+        averages)."""
+        estimate = self._state.estimate()
+        if self._coupling is not None:
+            estimate = self._coupling.inverse(estimate)
+        if self._scales is not None:
+            estimate[self._scales.coordinates] = self._consensus_params[self._scales.coordinates]
+        return estimate
 
     def _gradients_at(
         self, point: torch.Tensor, solved: StepSolution, args: tuple, kwargs: dict
@@ -903,6 +922,8 @@ class PDVI(StepSizeUpkeep):
         state.apply(update)
         self.num_steps += 1
         self._block_visits += int(num_blocks)
+        if not self._shares_steps:
+            self._swing.add(self._consensus_params)
         if self._scales is None:  # else _update_scales writes, once the scales are set
             self._write_consensus()
         for indices, local in solved.parts:
@@ -1187,6 +1208,7 @@ class PDVI(StepSizeUpkeep):
             "rng_state": self._rng.get_state(),
             "bounded_blocks": sorted(self._measured_blocks),
             "guard": self._guard.state_dict(),
+            "swing": self._swing.state_dict(),
             "stationarity": self._stationarity.state_dict(),
             "scales": None if self._scales is None else self._scales.state_dict(),
             "coupling": self._coupling.state_dict() if isinstance(self._coupling, Coupling) else None,
@@ -1213,6 +1235,8 @@ class PDVI(StepSizeUpkeep):
         self._step_sizes.load_state_dict(state["step_sizes"])
         self._measured_blocks = set(state["bounded_blocks"])
         self._guard.load_state_dict(state["guard"])
+        if "swing" in state:  # absent from checkpoints before the swing meter: it counts from here
+            self._swing.load_state_dict(state["swing"])
         if "stationarity" in state:  # absent from checkpoints before the stationarity test
             self._stationarity.load_state_dict(state["stationarity"])
         self._state.load_state_dict(state["consensus_state"])

@@ -58,7 +58,8 @@ def _locations(pdvi: PDVI) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_the_param_store_holds_lambda_0_for_two_epochs_and_then_the_estimate():
-    """Until every block has had two steps the store holds ``lambda_0``; from then on the estimate
+    """Until every block has had two steps the store holds ``lambda_0``, but from the first epoch's
+    end where ``lambda_0`` swings (:mod:`~pyro_pdvi.infer.swing`); from then on the estimate
     (``PDVI.state.consensus`` stays ``lambda_0``, the iterate). Over four starts, after three and
     four epochs of blocks sorted by x, the estimate's means are closer to the exact posterior
     means than ``lambda_0``'s (measured: distances summed 0.12 against 0.23)."""
@@ -74,7 +75,9 @@ def test_the_param_store_holds_lambda_0_for_two_epochs_and_then_the_estimate():
                 pdvi.step(blocks[b])
                 stored, iterate = _locations(pdvi)
                 two_epochs = epoch >= 2 or (epoch == 1 and step == len(blocks) - 1)
-                assert torch.equal(stored, iterate) != two_epochs
+                every_block_solved = epoch >= 1 or step == len(blocks) - 1
+                swinging = every_block_solved and bool(pdvi._swing.swinging())
+                assert torch.equal(stored, iterate) != (two_epochs or swinging)
             if epoch >= 2:
                 errors["store"] += float((stored - mean).norm())
                 errors["lambda_0"] += float((iterate - mean).norm())
