@@ -202,6 +202,30 @@ class Program:
         exec(compile("\n".join(lines), "<pdvi graph replay>", "exec"), namespace)
         return namespace["replay"]
 
+    def structure(self) -> str:
+        """The program with its numbers left out: its operations, what each reads and its other
+        values (dtypes, devices, flags). The recordings of blocks of different sizes that the
+        same Python made share it (the numbers are the sizes, the subsample's scale ``N / s``,
+        the model's constants, and any index the model read into Python); graph replay trusts a
+        new size's graph sooner where another of its structure has passed every check
+        (:mod:`~pyro_pdvi.infer.graphs`)."""
+
+        def text(value: Any) -> str:
+            if isinstance(value, Ref):
+                return value.code()
+            if isinstance(value, (list, tuple)):
+                return "(" + ",".join(text(v) for v in value) + ")"
+            if type(value) in (int, float):
+                return "#"
+            return repr(value)
+
+        lines = [f"{self.inputs} inputs, {len(self.constants)} constants, returns {self.output.code()}"]
+        for index, step in enumerate(self.steps):
+            if step is not None:
+                arguments = [text(a) for a in step.args] + [f"{k}={text(v)}" for k, v in step.kwargs.items()]
+                lines.append(f"v{index}={step.op}({','.join(arguments)})")
+        return "\n".join(lines)
+
     def __len__(self) -> int:
         return sum(step is not None for step in self.steps)
 

@@ -445,3 +445,53 @@ def test_pdvi_records_each_block_size_at_its_first_evaluation_but_not_the_warm_u
     stats = pdvi.diagnostics["graph_replay"]
     assert stats.disabled is None and stats.recorded == 3
     assert len(pdvi._objective.graphs._signatures) == 3
+
+
+def _evaluate(objective, unconstrained, layout, local_sites, indices: torch.Tensor) -> None:
+    idx = torch.arange(12)
+    copies, rows = random_point(unconstrained, layout, local_sites, indices[None], 0.0)
+    objective.bind(indices[None], [1], (idx,), {})(copies, rows)
+
+
+def test_a_new_block_size_of_a_checked_structure_is_trusted_after_its_recordings_check():
+    """Blocks of 3 then of 4 data of the same model: the two programs differ only in their numbers
+    (sizes, the subsample's scale). Once the first passed its checks (a second replay, and one at
+    other indices), the second is trusted after its recording's own check: no evaluation through
+    Pyro for it, at its own indices or others."""
+    idx = torch.arange(12)
+    objective, *point = replaying_trace_elbo(twelve_points, mu_guide, idx)
+    stats = objective.graphs.stats
+    for indices in [idx[0:3], idx[0:3], idx[3:6]]:
+        _evaluate(objective, *point, indices)
+    assert stats.through_pyro == 2 and stats.recorded == 1
+    for indices in [idx[0:4], idx[0:4], idx[4:8], idx[8:12]]:
+        _evaluate(objective, *point, indices)
+    assert stats.through_pyro == 2 and stats.recorded == 2 and stats.disabled is None
+
+
+def test_a_structure_not_yet_checked_at_other_indices_is_not_shared():
+    """Blocks of 3 data evaluated at one place only: the size of 4 is checked on its own."""
+    idx = torch.arange(12)
+    objective, *point = replaying_trace_elbo(twelve_points, mu_guide, idx)
+    stats = objective.graphs.stats
+    for indices in [idx[0:3], idx[0:3], idx[0:3], idx[0:4], idx[0:4], idx[4:8]]:
+        _evaluate(objective, *point, indices)
+    assert stats.through_pyro == 1 + 2 and stats.recorded == 2
+
+
+def test_the_structure_leaves_out_numbers_only():
+    """Two recordings of the same model at different sizes share a structure; a model that adds
+    an operation for larger blocks does not."""
+    from pyro_pdvi.infer.recording import Recorder
+
+    def program(size: int, extra: bool):
+        x = torch.linspace(0.0, 1.0, 12)
+        loc = torch.tensor(0.5, requires_grad=True)
+        with Recorder([loc]) as recorder:
+            value = (x[:size] - loc).square().sum() * (12 / size)
+            if extra:
+                value = value + loc.abs()
+        return recorder.program(value).structure()
+
+    assert program(3, False) == program(5, False)
+    assert program(3, False) != program(5, True)
