@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +48,21 @@ SWING_RATIO = 30.0
 #: The path is measured over this many segments of ``ceil(n / SEGMENTS)`` steps (``n`` blocks):
 #: about an epoch, at the cost of keeping one point's sum per segment.
 SEGMENTS = 10
+
+
+@dataclass
+class _Segment:
+    """Consecutive points of ``lambda_0``: their sum, how many, and the length of the path that
+    reached them (each point's distance from the one before it)."""
+
+    total: torch.Tensor
+    points: int
+    path: torch.Tensor
+
+    def add(self, point: torch.Tensor, step: torch.Tensor) -> None:
+        self.total = self.total + point
+        self.points += 1
+        self.path = self.path + step
 
 
 class SwingMeter:
@@ -66,25 +82,23 @@ class SwingMeter:
         self.every = max(1, math.ceil(num_blocks / SEGMENTS))
         self.ignored = ignored
         self._last: torch.Tensor | None = None
-        self._current: list = []  # [sum of points, number of points, path length] of the segment
-        self._segments: deque = deque(maxlen=SEGMENTS)
+        self._current: _Segment | None = None
+        self._segments: deque[_Segment] = deque(maxlen=SEGMENTS)
         self._swinging = torch.zeros((), dtype=torch.bool)
 
     def add(self, point: torch.Tensor) -> None:
-        """Note ``lambda_0`` after a step."""
+        """Note ``lambda_0`` (after a step; the first call, before the first step)."""
         point = point.detach().clone()
         if self.ignored is not None:
             point[self.ignored] = 0
         step = point.new_zeros(()) if self._last is None else (point - self._last).norm()
         self._last = point
-        if not self._current:
-            self._current = [torch.zeros_like(point), 0, point.new_zeros(())]
-        self._current[0] = self._current[0] + point
-        self._current[1] += 1
-        self._current[2] = self._current[2] + step
-        if self._current[1] == self.every:
-            self._segments.append(tuple(self._current))
-            self._current = []
+        if self._current is None:
+            self._current = _Segment(torch.zeros_like(point), 0, point.new_zeros(()))
+        self._current.add(point, step)
+        if self._current.points == self.every:
+            self._segments.append(self._current)
+            self._current = None
             self._decide()
 
     def swinging(self) -> torch.Tensor:
@@ -93,29 +107,31 @@ class SwingMeter:
         return self._swinging
 
     def _decide(self) -> None:
+        """Once :data:`SEGMENTS` segments have passed: the path over them against the distance
+        between the means of the older and the newer half's points."""
         if len(self._segments) < SEGMENTS:
             return
         half = SEGMENTS // 2
         segments = list(self._segments)
 
-        def mean(part: list) -> torch.Tensor:
-            return sum(s[0] for s in part) / sum(s[1] for s in part)
+        def mean(part: list[_Segment]) -> torch.Tensor:
+            return sum(s.total for s in part) / sum(s.points for s in part)
 
         # Each point's step from the one before it, the window's first point's included.
-        path = sum(s[2] for s in segments)
+        path = sum(s.path for s in segments)
         progress = (mean(segments[half:]) - mean(segments[:half])).norm()
         self._swinging = (path > 0) & (path >= SWING_RATIO * progress)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "last": self._last,
-            "current": list(self._current),
-            "segments": list(self._segments),
+            "current": None if self._current is None else vars(self._current).copy(),
+            "segments": [vars(s).copy() for s in self._segments],
             "swinging": self._swinging,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._last = state["last"]
-        self._current = list(state["current"])
-        self._segments = deque(state["segments"], maxlen=SEGMENTS)
+        self._current = None if state["current"] is None else _Segment(**state["current"])
+        self._segments = deque((_Segment(**s) for s in state["segments"]), maxlen=SEGMENTS)
         self._swinging = state["swinging"]
