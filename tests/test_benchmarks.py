@@ -462,3 +462,22 @@ def test_particle_broadcasting_tiny(capsys):
     results = {r["method"]: r for r in module.main(module.parse_args([*common, "--written", "plate"]))}
     assert not results["pdvi"]["flagged"] and results["pdvi"]["particles"].endswith("vectorized")
     assert "| pdvi | 0 |" in capsys.readouterr().out
+
+
+def test_growing_guard_grows_while_the_objective_falls_and_stops_at_its_first_halving():
+    module = load_script(BENCHMARKS / "growing_step_sizes.py")
+    args = module.parse_args(["--factor", "2", "--after", "1", "--start", "2", "--cap", "4", "--", "--quick"])
+    assert args.suite_args == ["--quick"]
+    module.GrowingGuard.factor, module.GrowingGuard.after = args.factor, args.after
+    module.GrowingGuard.start, module.GrowingGuard.cap = args.start, args.cap
+    guard = module.GrowingGuard()
+
+    def epoch(total: float) -> bool:
+        guard.add(torch.tensor([total]), torch.tensor([1.0]))
+        return guard.end_epoch()
+
+    assert [epoch(t) for t in (10.0, 9.0, 8.0, 7.0)] == [False, True, True, False]  # capped at 4
+    assert guard.damping == 4.0
+    assert [epoch(t) for t in (8.0, 9.0)] == [False, True]  # two rises: halved, and no more growth
+    assert guard.damping == 2.0
+    assert [epoch(t) for t in (8.0, 7.0, 6.0)] == [False, False, False] and guard.damping == 2.0
