@@ -481,3 +481,26 @@ def test_growing_guard_grows_while_the_objective_falls_and_stops_at_its_first_ha
     assert [epoch(t) for t in (8.0, 9.0)] == [False, True]  # two rises: halved, and no more growth
     assert guard.damping == 2.0
     assert [epoch(t) for t in (8.0, 7.0, 6.0)] == [False, False, False] and guard.damping == 2.0
+
+
+def test_autoguides_scores_a_packed_guide_at_the_reference_as_zero():
+    """``benchmarks/autoguides.py`` unpacks ``AutoDiagonalNormal``'s vectors site by site into
+    ``AutoNormal``'s names: at the reference optimum, packed, every error is zero."""
+    pytest.importorskip("sklearn")
+    import pyro
+
+    from benchmarks.generic_suite import models, references
+
+    module = load_script(BENCHMARKS / "autoguides.py")
+    problem = models.NormalScale(torch.float64, num_data=12, num_blocks=3)  # sites w (vector) and sigma
+    reference = references.compute_reference(problem)
+    template = module.template_guide(problem)
+    sites = [site["name"] for site, _ in template._unpack_latent(torch.zeros(template.latent_dim))]
+    assert sites == ["w", "sigma"]
+    pyro.clear_param_store()
+    problem.initialise(module.diagonal_variant(problem).make_guide(), problem.blocks[0])
+    store = pyro.get_param_store()
+    for kind, name in (("locs", "AutoDiagonalNormal.loc"), ("scales", "AutoDiagonalNormal.scale")):
+        store[name] = torch.cat([reference.params[f"AutoNormal.{kind}.{s}"].reshape(-1) for s in sites])
+    metrics = module.PackedScorer(problem, reference, template)()
+    assert metrics["rmse_mean"] < 1e-12 and metrics["sd_error"] < 1e-12 and abs(metrics["elbo_gap"]) < 1e-12

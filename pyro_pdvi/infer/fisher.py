@@ -34,10 +34,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from pyro import poutine
 from pyro.distributions import Delta
 
-from .handlers import BlockSubsample, FixedNoise, ParamOverride, is_subsample_site
+from .handlers import FixedNoise, is_subsample_site, trace_guide_at
 from .sites import DataPlate, GlobalLayout
 
 
@@ -73,8 +72,7 @@ def fisher_diagonal(
 
     def run_guide(indices: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
         leaf = point.detach().requires_grad_()
-        guided = ParamOverride(layout.unflatten(leaf), constraints_)(guide)
-        trace = poutine.trace(BlockSubsample(plate.name, indices)(guided)).get_trace(*args, **kwargs)
+        trace = trace_guide_at(guide, layout.unflatten(leaf), constraints_, plate.name, indices, args, kwargs)
         latent = [
             site
             for site in trace.nodes.values()

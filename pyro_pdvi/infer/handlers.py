@@ -6,6 +6,8 @@
   of the global parameters and its local rows) to ``pyro.param`` sites, so the
   solve never writes to the param store until the step is accepted.
 * :func:`module_parameters` does the same for networks registered with ``pyro.module``.
+* :func:`trace_guide_at` traces a guide on one block with its globals at given values,
+  through both.
 * :class:`FixedNoise` holds the Monte Carlo noise fixed inside one primal
   solve, so a quasi-Newton solver sees a deterministic objective.
 * :func:`plate_entry` finds the subsample a step passes to the data plate.
@@ -22,6 +24,7 @@ import torch
 from pyro import poutine
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import Message, NonlocalExit
+from pyro.poutine.trace_struct import Trace
 from torch.distributions import constraints, transform_to
 
 
@@ -197,3 +200,32 @@ class FixedNoise:
             torch.set_rng_state(saved_cpu)
             if self.cuda:
                 torch.cuda.set_rng_state(saved_cuda, self.device)
+
+
+def trace_guide_at(
+    guide: Callable,
+    values: dict[str, torch.Tensor],
+    site_constraints: dict[str, constraints.Constraint],
+    plate_name: str,
+    indices: torch.Tensor,
+    args: tuple,
+    kwargs: dict,
+) -> Trace:
+    """The guide's trace on one block with its global params at ``values``: through
+    :class:`ParamOverride` for ``pyro.param`` statements and :func:`module_parameters` for the
+    ``nn.Parameter`` attributes that a ``PyroModule`` returns itself (``AutoDiagonalNormal.loc``,
+    ``AutoMultivariateNormal.loc``) and for ``pyro.module`` networks. With
+    :class:`ParamOverride` alone the guide reads such a ``loc`` from the module, and nothing
+    taken from the trace depends on ``values`` there.
+
+    :param guide: the Pyro guide.
+    :param values: param-store name -> unconstrained value.
+    :param site_constraints: param-store name -> constraint of that param.
+    :param plate_name: name of the data plate.
+    :param indices: the block's data indices.
+    :param args: positional arguments of the guide.
+    :param kwargs: keyword arguments of the guide.
+    """
+    guided = BlockSubsample(plate_name, indices)(ParamOverride(values, site_constraints)(guide))
+    with module_parameters(values, networks_of(guide)):
+        return poutine.trace(guided).get_trace(*args, **kwargs)

@@ -49,13 +49,12 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-from pyro import poutine
 from torch.distributions import biject_to
 from torch.distributions.transforms import AffineTransform, ComposeTransform, ExpTransform, Transform
 
 from .consensus import EARLY_CONCENTRATED_SHARE
 from .fisher import gaussian_parameters
-from .handlers import BlockSubsample, FixedNoise, ParamOverride, is_subsample_site
+from .handlers import FixedNoise, is_subsample_site, trace_guide_at
 from .sites import DataPlate, GlobalLayout
 
 #: Relative tolerance of the checks that a scale is ``T(u_j)``.
@@ -140,9 +139,10 @@ def find_scale_maps(
 
     def run(at: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         leaf = at.detach().requires_grad_()
-        guided = ParamOverride(layout.unflatten(leaf), constraints)(guide)
         with noise():
-            trace = poutine.trace(BlockSubsample(plate.name, indices)(guided)).get_trace(*args, **kwargs)
+            trace = trace_guide_at(
+                guide, layout.unflatten(leaf), constraints, plate.name, indices, args, kwargs
+            )
         gaussian = {}
         for name, site in trace.nodes.items():
             if site["type"] != "sample" or site["is_observed"] or is_subsample_site(site):

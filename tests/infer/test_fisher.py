@@ -4,7 +4,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
 
 from pyro_pdvi.infer.fisher import fisher_diagonal, gaussian_parameters
 from pyro_pdvi.infer.params import ParamStoreView
@@ -57,6 +57,46 @@ def test_autonormal_sites_are_exact_in_locations_and_scales():
         assert torch.allclose(fisher[f"AutoNormal.locs.{site}"], sigma.pow(-2), rtol=1e-12)
         expected = 2 * softplus_slope.square() / sigma.square()
         assert torch.allclose(fisher[f"AutoNormal.scales.{site}"], expected, rtol=1e-12)
+
+
+def _autoguide_of_a_vector(guide_class, size, init_scale):
+    """A model whose one latent is a vector ``a`` of ``size`` (the data's mean its sum), and
+    ``guide_class`` over it, set up in a cleared param store."""
+
+    def latents():
+        return pyro.sample("a", dist.Normal(torch.zeros(size, dtype=torch.float64), 1.0).to_event(1)).sum()
+
+    pyro.clear_param_store()
+    model = _data_model(latents)
+    guide = guide_class(model, init_scale=init_scale)
+    guide(torch.arange(4))
+    return model, guide
+
+
+def test_autodiagonalnormal_is_exact_in_its_loc_too():
+    """``AutoDiagonalNormal.loc`` is a plain ``nn.Parameter`` that the guide reads from itself
+    (``pyro.param``'s value is ignored): the Fisher must see it through the block's values all
+    the same, ``1 / sigma^2`` (it was 0, and the loc fell back to one step size for its group)."""
+    model, guide = _autoguide_of_a_vector(AutoDiagonalNormal, 3, init_scale=0.3)
+    with torch.no_grad():
+        pyro.get_param_store()["AutoDiagonalNormal.scale"] = torch.tensor(
+            [0.1, 0.5, 2.0], dtype=torch.float64
+        )
+    fisher = _fisher(model, guide)
+    sigma = pyro.param("AutoDiagonalNormal.scale").detach()
+    softplus_slope = torch.sigmoid(pyro.param("AutoDiagonalNormal.scale").unconstrained().detach())
+    assert torch.allclose(fisher["AutoDiagonalNormal.loc"], sigma.pow(-2), rtol=1e-12)
+    expected = 2 * softplus_slope.square() / sigma.square()
+    assert torch.allclose(fisher["AutoDiagonalNormal.scale"], expected, rtol=1e-12)
+
+
+def test_automultivariatenormal_loc_takes_the_monte_carlo_estimate():
+    """A full-rank Gaussian site (no closed form here): the score of its ``nn.Parameter`` loc
+    estimates ``diag(Sigma^-1)``."""
+    model, guide = _autoguide_of_a_vector(AutoMultivariateNormal, 2, init_scale=0.5)
+    fisher = _fisher(model, guide, num_samples=2000)
+    expected = torch.linalg.inv(guide.get_posterior().covariance_matrix.detach()).diagonal()
+    assert torch.allclose(fisher["AutoMultivariateNormal.loc"], expected, rtol=0.1)
 
 
 def test_a_log_variance_param_is_exact():

@@ -280,13 +280,16 @@ def test_an_amortised_encoder_reaches_the_exact_posterior_map():
             pyro.sample("z", dist.Normal(loc, encoder.log_scale.exp()))
 
     pdvi = make(model, guide, groups="per_site", solver=GenericSolver(inner_steps=20))
-    for _ in range(30):
+    # 40 epochs: the natural rule sets the encoder's step sizes from the guide's Fisher
+    # information (until session 33 that Fisher missed a network's parameters, and the curvature
+    # rule left the scale 2e-5 off after 40 epochs; now the weight is 5e-9 off, the scale 2e-9).
+    for _ in range(40):
         for block in torch.arange(N).chunk(4):
             pdvi.step(block)
     assert pdvi.local_sites == []
     assert abs(float(encoder.linear.weight.detach()) - a / (a * a + s * s)) < 1e-6
     assert abs(float(encoder.linear.bias.detach())) < 1e-6
-    assert abs(float(encoder.log_scale.detach().exp()) / math.sqrt(s * s / (a * a + s * s)) - 1) < 0.05
+    assert abs(float(encoder.log_scale.detach().exp()) / math.sqrt(s * s / (a * a + s * s)) - 1) < 1e-6
 
 
 # --------------------------------------------------------------------- other idioms
