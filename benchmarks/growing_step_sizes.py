@@ -40,14 +40,19 @@ class GrowingGuard(RisingObjectiveGuard):
     start = 3
     cap = 16.0
 
+    def __init__(self, monte_carlo: bool = False) -> None:
+        super().__init__(monte_carlo)
+        self.falls = 0  # falling epochs in a row
+        self.stopped = False  # halved once: no more growth
+
     def end_epoch(self) -> bool:
         if super().end_epoch():
             self.stopped = True
             return True
         fell = len(self.epochs) >= 2 and self.epochs[-1] < self.epochs[-2]
-        self.falls = getattr(self, "falls", 0) + 1 if fell else 0
+        self.falls = self.falls + 1 if fell else 0
         grows = len(self.epochs) >= self.start and self.falls >= self.after
-        if grows and self.damping * self.factor <= self.cap and not getattr(self, "stopped", False):
+        if grows and self.damping * self.factor <= self.cap and not self.stopped:
             self.damping *= self.factor
             self.falls = 0
             return True  # PDVI then applies the new damping (and warns as for a halving)

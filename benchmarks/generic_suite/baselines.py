@@ -116,6 +116,9 @@ PDVI_CONFIGS: dict[str, dict] = {
     # biglogreg's count at set-up, kept throughout: the defaults before the review of 13y.
     "p20": {"particles": 20},
     "p64": {"particles": 64},
+    # No per-coordinate step decay by the stationarity test (13c), for a before/after (13zh: on
+    # PPCA it halves the step sizes of hundreds of coordinates from epoch 12 on).
+    "no_step_decay": {"step_decay": False},
     # The fixed-eta grid that eta="auto" is compared with (everything else at its default).
     "eta0.001": {"eta": 0.001},
     "eta0.01": {"eta": 0.01},
