@@ -113,9 +113,20 @@ def template_guide(problem: Problem) -> AutoDiagonalNormal:
 
 
 def main(args: argparse.Namespace) -> list[dict]:
+    """Every model, guide and method (module docstring); the rows as printed. Runs in float32 at
+    one thread, the caller's default dtype and warning filters put back after."""
     torch.set_num_threads(1)
+    previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
-    warnings.simplefilter("ignore")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _run(args)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+
+
+def _run(args: argparse.Namespace) -> list[dict]:
     rows = []
     for name in args.models:
         problem = make_problem(name, args.quick, torch.float32, "cpu")

@@ -82,7 +82,10 @@ def main(args: argparse.Namespace) -> dict:
     import pyro_pdvi.infer.pdvi as pdvi_module
 
     pdvi_module.RisingObjectiveGuard = GrowingGuard
-    return suite.main(suite.parse_args(args.suite_args))
+    try:
+        return suite.main(suite.parse_args(args.suite_args))
+    finally:
+        pdvi_module.RisingObjectiveGuard = RisingObjectiveGuard
 
 
 if __name__ == "__main__":

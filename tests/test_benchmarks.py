@@ -504,3 +504,27 @@ def test_autoguides_scores_a_packed_guide_at_the_reference_as_zero():
         store[name] = torch.cat([reference.params[f"AutoNormal.{kind}.{s}"].reshape(-1) for s in sites])
     metrics = module.PackedScorer(problem, reference, template)()
     assert metrics["rmse_mean"] < 1e-12 and metrics["sd_error"] < 1e-12 and abs(metrics["elbo_gap"]) < 1e-12
+
+
+def test_autoguides_tiny(capsys):
+    """Both guides, every method, on the quick logistic regression: a row each, finite errors."""
+    pytest.importorskip("sklearn")
+    module = load_script(BENCHMARKS / "autoguides.py")
+    args = [
+        "--quick",
+        "--models",
+        "logreg",
+        "--seeds",
+        "0",
+        "--budget-seconds",
+        "0.3",
+        "--checkpoints",
+        "0.3",
+    ]
+    rows = module.main(module.parse_args([*args, "--svi-lrs", "0.03", "--decay-lr", "0"]))
+    assert [(r["guide"], r["method"]) for r in rows] == [
+        (guide, method) for guide in module.GUIDES for method in ("SVI Adam lr=0.03", "PDVI defaults")
+    ]
+    assert all(math.isfinite(r["rmse_mean@0.3"]) and math.isfinite(r["sd_error@0.3"]) for r in rows)
+    assert "| AutoDiagonalNormal | PDVI defaults |" in capsys.readouterr().out
+    assert torch.get_default_dtype() == torch.float64  # the tests' dtype is put back
