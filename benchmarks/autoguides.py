@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import warnings
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -35,6 +34,7 @@ import torch  # noqa: E402
 from pyro.infer.autoguide import AutoDiagonalNormal  # noqa: E402
 from pyro.infer.autoguide.initialization import init_to_feasible  # noqa: E402
 
+from benchmarks.common import as_a_user_runs  # noqa: E402
 from benchmarks.generic_suite.baselines import pdvi, svi_methods  # noqa: E402
 from benchmarks.generic_suite.metrics import Scorer, at_seconds  # noqa: E402
 from benchmarks.generic_suite.models import Problem, make_problem  # noqa: E402
@@ -115,15 +115,8 @@ def template_guide(problem: Problem) -> AutoDiagonalNormal:
 def main(args: argparse.Namespace) -> list[dict]:
     """Every model, guide and method (module docstring); the rows as printed. Runs in float32 at
     one thread, the caller's default dtype and warning filters put back after."""
-    torch.set_num_threads(1)
-    previous_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return _run(args)
-    finally:
-        torch.set_default_dtype(previous_dtype)
+    with as_a_user_runs(torch.float32):
+        return _run(args)
 
 
 def _run(args: argparse.Namespace) -> list[dict]:

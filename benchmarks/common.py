@@ -1,8 +1,8 @@
 """What the benchmark scripts share.
 
-* Set-up: :func:`setup_torch` (threads, default dtype), comma-list parsers for ``argparse``
-  and the ``--eta-scale``/``--curvature-*``/``--remeasure-epochs`` options of ``eta="auto"``
-  (:func:`add_step_size_arguments`, :func:`auto_step_size`).
+* Set-up: :func:`setup_torch` (threads, default dtype), :func:`as_a_user_runs`, comma-list
+  parsers for ``argparse`` and the ``--eta-scale``/``--curvature-*``/``--remeasure-epochs``
+  options of ``eta="auto"`` (:func:`add_step_size_arguments`, :func:`auto_step_size`).
 * The Gaussian mixture of [1, App. C.2] with its CAVI optimum (:func:`make_gmm_problem`)
   and the scorer every GMM benchmark judges a fitted ``q(c)`` by (:meth:`GMMProblem.score`):
   the relative gap of the exact negative ELBO to the CAVI optimum with ``q(z)`` re-solved in
@@ -24,10 +24,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,21 @@ def setup_torch(threads: int | None = 1, dtype: torch.dtype = torch.float64) -> 
     if threads is not None:
         torch.set_num_threads(threads)
     torch.set_default_dtype(dtype)
+
+
+@contextlib.contextmanager
+def as_a_user_runs(dtype: torch.dtype = torch.float32) -> Iterator[None]:
+    """One torch thread, ``dtype`` as the default, warnings silenced; the caller's default dtype
+    and warning filters put back after (a test may call the script's ``main``)."""
+    torch.set_num_threads(1)
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.set_default_dtype(previous_dtype)
 
 
 def floats(text: str) -> list[float]:

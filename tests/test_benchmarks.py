@@ -528,3 +528,56 @@ def test_autoguides_tiny(capsys):
     assert all(math.isfinite(r["rmse_mean@0.3"]) and math.isfinite(r["sd_error@0.3"]) for r in rows)
     assert "| AutoDiagonalNormal | PDVI defaults |" in capsys.readouterr().out
     assert torch.get_default_dtype() == torch.float64  # the tests' dtype is put back
+
+
+@pytest.mark.parametrize(
+    "guide_name", ["AutoDiagonalNormal", "AutoMultivariateNormal", "AutoLowRankMultivariateNormal"]
+)
+def test_full_covariance_scores_each_family_optimum_as_zero(guide_name):
+    """``benchmarks/full_covariance.py``: the guide's params set to its family's optimum (the exact
+    posterior, its mean-field diagonal, or the L-BFGS low-rank optimum, checked by its first-order
+    conditions) score zero; the exact posterior's KL is zero."""
+    pytest.importorskip("sklearn")
+    import pyro
+
+    module = load_script(BENCHMARKS / "full_covariance.py")
+    problem = module.ConjugateRegression(guide_name, torch.float64, num_data=40, num_blocks=4)
+    scorer = module.GaussianScorer(problem)
+    pyro.clear_param_store()
+    problem.initialise(problem.make_guide(), problem.blocks[0])
+    store = pyro.get_param_store()
+    store[f"{guide_name}.loc"] = scorer.posterior_mean
+    if guide_name == "AutoDiagonalNormal":
+        store[f"{guide_name}.scale"] = scorer.optimum.diagonal().sqrt()
+    elif guide_name == "AutoMultivariateNormal":
+        tril = torch.linalg.cholesky(scorer.optimum)
+        store[f"{guide_name}.scale"] = tril.diagonal()
+        store[f"{guide_name}.scale_tril"] = tril / tril.diagonal()[:, None]
+        assert abs(scorer.optimum_kl) < 1e-10
+    else:
+        factor, diagonal = module.low_rank_optimum(scorer.precision)
+        store[f"{guide_name}.scale"] = diagonal.sqrt()
+        store[f"{guide_name}.cov_factor"] = factor / diagonal.sqrt()[:, None]
+        # No closed form: the L-BFGS optimum meets the first-order conditions (W free, d >= 0).
+        leaves = [factor.clone().requires_grad_(), diagonal.clone().requires_grad_()]
+        grad_factor, grad_diagonal = torch.autograd.grad(
+            module.low_rank_objective(*leaves, scorer.precision), leaves
+        )
+        assert float(grad_factor.abs().max()) < 1e-5
+        assert float((grad_diagonal * diagonal).abs().max()) < 1e-6 and float(grad_diagonal.min()) > -1e-4
+    metrics = scorer()
+    assert metrics["mean_error"] < 1e-12 and metrics["cov_error"] < 1e-10 and abs(metrics["elbo_gap"]) < 1e-10
+
+
+def test_full_covariance_tiny(capsys):
+    """Every guide and method on 40 rows: a row each, finite errors, the ratios printed."""
+    pytest.importorskip("sklearn")
+    module = load_script(BENCHMARKS / "full_covariance.py")
+    args = ["--num-data", "40", "--seeds", "0", "--budget-seconds", "0.3", "--checkpoints", "0.3"]
+    rows = module.main(module.parse_args([*args, "--svi-lrs", "0.03", "--decay-lr", "0"]))
+    assert [(r["guide"], r["method"]) for r in rows] == [
+        (guide, method) for guide in module.GUIDES for method in ("SVI Adam lr=0.03", "PDVI defaults")
+    ]
+    assert all(math.isfinite(r[f"{m}@0.3"]) for r in rows for m in module.METRICS)
+    assert "| PDVI / best SVI |" in capsys.readouterr().out
+    assert torch.get_default_dtype() == torch.float64
