@@ -22,9 +22,11 @@ in nats; then PDVI over the best SVI per metric. All runs start from ``init_to_f
 
     python benchmarks/full_covariance.py --seeds 0,1,2 --budget-seconds 20
 
-Why (``docs/benchmarks.md`` 13zi): the guide's Fisher information of a full-covariance site
-was a 16-draw Monte Carlo estimate until session 34 (its loc's step sizes moved up to 2.6x an
-epoch); it is now exact (:mod:`pyro_pdvi.infer.fisher`).
+Why (``docs/benchmarks.md`` 13zi): until session 34 a full-covariance site's Fisher information
+was a 16-draw Monte Carlo estimate, and its covariance was left to the Monte Carlo primal-dual
+iteration; now the first is exact (:mod:`pyro_pdvi.infer.fisher`) and the second is set by its
+fixed point (:mod:`pyro_pdvi.infer.cholesky_maps`). The model is written ``(x * w).sum(-1)``,
+which takes PDVI's vectorized particles (``x @ w`` does not: PDVI would draw them in a loop).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class ConjugateRegression(Problem):
         zero = self.x.new_zeros(())
         w = pyro.sample("w", dist.Normal(zero, 1.0).expand([self.x.shape[1]]).to_event(1))
         with pyro.plate("data", self.num_data, subsample=idx) as ind:
-            pyro.sample("y", dist.Normal(self.x[ind] @ w, self.noise), obs=self.y[ind])
+            pyro.sample("y", dist.Normal((self.x[ind] * w).sum(-1), self.noise), obs=self.y[ind])
 
     def make_guide(self):
         kwargs = {"init_loc_fn": init_to_feasible, "init_scale": 0.1}

@@ -294,3 +294,37 @@ def test_a_model_written_for_one_draw_is_found_and_looped_on_cuda():
     fitted_sds = torch.cat([pyro.param("AutoNormal.scales.m").reshape(1), pyro.param("AutoNormal.scales.e")])
     assert ((fitted_means.detach().cpu().double() - means) / sds).abs().max() < 0.1
     assert ((fitted_sds.detach().cpu().double() / sds) - 1).abs().max() < 0.15
+
+
+def test_a_full_covariance_site_takes_its_fixed_point_on_cuda():
+    """The Cholesky factor's fixed point (``docs/benchmarks.md`` 13zi) on the device: after one
+    epoch of the conjugate regression of ``tests/infer/test_cholesky_maps.py`` the covariance is
+    the posterior's, as on the CPU, and the state stays on the device."""
+    from pyro.infer.autoguide import AutoMultivariateNormal
+
+    from .infer.test_cholesky_maps import BLOCKS, COVARIATES, DIM, NOISE, NUM_DATA, RESPONSES, exact_posterior
+
+    covariates, responses = COVARIATES.to(CUDA), RESPONSES.to(CUDA)
+
+    def model(idx=None):
+        w = pyro.sample(
+            "w",
+            pyro.distributions.Normal(torch.zeros(DIM, device=CUDA, dtype=torch.float64), 1.0).to_event(1),
+        )
+        with pyro.plate("data", NUM_DATA, subsample=idx) as i:
+            pyro.sample("y", pyro.distributions.Normal((covariates[i] * w).sum(-1), NOISE), obs=responses[i])
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMultivariateNormal(model, init_scale=0.3)
+    blocks = [block.to(CUDA) for block in BLOCKS]
+    pdvi = PDVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), blocks=blocks)
+    for block in blocks:
+        pdvi.step(block)
+    assert pdvi.diagnostics["scale_fixed_point"]["params"] == [
+        "AutoMultivariateNormal.scale, AutoMultivariateNormal.scale_tril"
+    ]
+    assert pdvi.state.consensus.device.type == "cuda"
+    covariance = guide.get_posterior().covariance_matrix.detach()
+    assert covariance.device.type == "cuda"
+    torch.testing.assert_close(covariance.cpu(), exact_posterior()[1], rtol=1e-10, atol=1e-14)

@@ -101,7 +101,7 @@ class AntitheticNoise(Messenger):
         loc = _first_parameter(fn)
         z = torch.randn(half, dtype=loc.dtype, device=loc.device)
         if self.match_second_moment:
-            z = z / z.square().mean(axis, keepdim=True).sqrt()
+            z = matched_second_moment(z, axis, _is_multivariate(fn))
         value = reparameterized(fn, torch.cat([z, -z], dim=axis))
         if value is not None:
             msg["value"] = value
@@ -137,11 +137,42 @@ class LoopedAntitheticNoise(Messenger):
             loc = _first_parameter(fn)
             z = torch.randn((self.num_particles // 2, *shape), dtype=loc.dtype, device=loc.device)
             if self.match_second_moment:
-                z = z / z.square().mean(0, keepdim=True).sqrt()
+                z = matched_second_moment(z, 0, _is_multivariate(fn))
             queued = self._queued[msg["name"]] = [noise for draw in z for noise in (draw, -draw)]
         value = reparameterized(fn, queued.pop(0))
         if value is not None:
             msg["value"] = value
+
+
+def matched_second_moment(z: torch.Tensor, axis: int, multivariate: bool) -> torch.Tensor:
+    """``z`` rescaled so that the mean square over ``axis`` is exactly 1 per coordinate; for a
+    multivariate site (``z``'s last dim its event) with at least as many draws as dimensions,
+    whitened instead, so that the mean of ``z z'`` is exactly the identity (a full-covariance
+    guide's objective on a Gaussian target is then exact at fixed noise, correlations included:
+    :mod:`~pyro_pdvi.infer.cholesky_maps`).
+
+    :param z: standard-normal draws.
+    :param axis: the draws' axis.
+    :param multivariate: whether the last dim is one site's event.
+    """
+    draws = z.shape[axis]
+    if not multivariate or z.shape[-1] < 2 or axis % z.dim() == z.dim() - 1 or draws < z.shape[-1]:
+        return z / z.square().mean(axis, keepdim=True).sqrt()
+    moved = z.movedim(axis, -2)  # (..., draws, D)
+    moment = moved.mT @ moved / draws
+    cholesky, info = torch.linalg.cholesky_ex(moment)
+    # Where the draws' moment is singular, the coordinates' own scaling (no host read to decide).
+    singular = (info != 0)[..., None, None]
+    cholesky = torch.where(singular, moment.diagonal(dim1=-2, dim2=-1).sqrt().diag_embed(), cholesky)
+    whitened = torch.linalg.solve_triangular(cholesky, moved.mT, upper=False).mT
+    return whitened.movedim(-2, axis)
+
+
+def _is_multivariate(fn: Distribution) -> bool:
+    """Whether ``fn`` is a ``MultivariateNormal``, behind ``Independent`` or a transform."""
+    while isinstance(fn, (Independent, TransformedDistribution)):
+        fn = fn.base_dist
+    return isinstance(fn, MultivariateNormal)
 
 
 def _gaussian_draw(msg: Message) -> bool:

@@ -202,7 +202,10 @@ class PDVI(StepSizeUpkeep):
         ``lambda_0``; ``"primal_dual"`` moves them as any other param. ``"auto"`` (default):
         the fixed point for the :class:`~pyro_pdvi.infer.solvers.GenericSolver` with a Pyro ELBO
         and at least one site whose scale entries are each one param coordinate's
-        (``AutoNormal``'s, a ``positive`` or log-scale param's), else the primal-dual iteration
+        (``AutoNormal``'s, a ``positive`` or log-scale param's) or a ``MultivariateNormal`` site
+        whose Cholesky factor is a ``lower_cholesky`` param or ``AutoMultivariateNormal``'s
+        ``scale`` and ``scale_tril`` (``Sigma^-1 = sum_b H_b``:
+        :mod:`~pyro_pdvi.infer.cholesky_maps`), else the primal-dual iteration
         (``docs/benchmarks.md`` 13i: standard deviations 3-43x closer on the five small models of
         the generic suite; each block's share comes from the gradient at its solution, which the
         solver hands on, so it costs no model call: 13j).
@@ -559,7 +562,9 @@ class PDVI(StepSizeUpkeep):
                     "scale_update='fixed_point': no global guide site is a Normal (behind Independent or "
                     "a parameter-free transform) whose scale entries are each one param coordinate's "
                     "own function (a positive or softplus_positive param, or exp of an unconstrained "
-                    "one) that no location uses; use scale_update='primal_dual'"
+                    "one) that no location uses, nor a MultivariateNormal whose scale_tril is a "
+                    "lower_cholesky param (or a positive one times a unit_lower_cholesky one); use "
+                    "scale_update='primal_dual'"
                 )
             return None
         return ScaleFixedPoint(maps, len(self.partition), point)

@@ -28,6 +28,12 @@ optimum for many epochs, and its end state is a noise cloud. Measured on the gen
 (``docs/benchmarks.md`` 13i): standard deviations 3-43x closer on its five small models; exact
 after one epoch on a Gaussian model (``tests/infer/test_scales.py``).
 
+A full-covariance site (``MultivariateNormal``, as ``AutoMultivariateNormal``'s) takes the same
+fixed point in matrix form, ``Sigma^-1 = sum_b H_b``, its Cholesky factor mapped to and from the
+params by :class:`~pyro_pdvi.infer.cholesky_maps.CholeskyMap`, whose block information, the lower
+triangle of ``H_b``, has as many entries as the coordinates it sets: this class stores and
+averages both kinds alike.
+
 A site's scale qualifies when each of its entries is one param coordinate's own elementwise
 function, ``sigma_i = T(u_j)``, that no location depends on: either the param's constrained value
 (``constraint=positive`` or ``softplus_positive``, as ``AutoNormal``'s scales) or ``exp(c u_j + d)``
@@ -52,6 +58,7 @@ import torch
 from torch.distributions import biject_to
 from torch.distributions.transforms import AffineTransform, ComposeTransform, ExpTransform, Transform
 
+from .cholesky_maps import CholeskyMap, cholesky_map
 from .consensus import EARLY_CONCENTRATED_SHARE
 from .fisher import gaussian_parameters
 from .handlers import FixedNoise, is_subsample_site, trace_guide_at
@@ -109,6 +116,32 @@ class ScaleMap(NamedTuple):
     coordinates: torch.Tensor
     transform: Transform
 
+    def scales_at(self, point: torch.Tensor) -> torch.Tensor:
+        """The scale entries at the flat params ``point``."""
+        return self.transform(point[self.coordinates])
+
+    def information(self, gradients: torch.Tensor, shares: torch.Tensor, point: torch.Tensor) -> torch.Tensor:
+        """Blocks' ``h_bi`` (module docstring), ``(m, K)`` in float64.
+
+        :param gradients: ``grad_lambda f_b``, ``(m, P)``.
+        :param shares: ``s_b``, ``(m,)``.
+        :param point: ``lambda_0``, ``(P,)``, the blocks' scales held there.
+        """
+        u = point.detach().to(torch.float64)[self.coordinates].requires_grad_()
+        with torch.enable_grad():
+            sigma = self.transform(u)
+            (slope,) = torch.autograd.grad(sigma.sum(), u)
+        sigma = sigma.detach()
+        gradient = gradients.detach().to(torch.float64)[:, self.coordinates]
+        return (gradient / slope + shares.to(torch.float64)[:, None] / sigma) / sigma
+
+    def values(self, precision: torch.Tensor, point: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The coordinates' values whose scales are ``precision^(-1/2)`` where it is positive
+        (their values in ``point`` elsewhere), and where it is, ``(K,)`` each in float64."""
+        usable = precision > 0
+        values = self.transform.inv(torch.where(usable, precision, 1.0).rsqrt())
+        return torch.where(usable, values, point.detach().to(torch.float64)[self.coordinates]), usable
+
 
 def find_scale_maps(
     guide: Callable,
@@ -131,7 +164,9 @@ def find_scale_maps(
     :param kwargs: keyword arguments of the guide.
     :param seed: seed of the guide's draws and of a random projection (torch's generator is
         restored after).
-    :returns: one :class:`ScaleMap` per qualifying site, no two sharing a coordinate.
+    :returns: one :class:`ScaleMap` (or, for a full-covariance site,
+        :class:`~pyro_pdvi.infer.cholesky_maps.CholeskyMap`) per qualifying site, no two sharing a
+        coordinate.
     """
     constraints = {s.name: s.constraint for s in layout.sites}
     noise = FixedNoise(seed, point.device)
@@ -148,17 +183,20 @@ def find_scale_maps(
             if site["type"] != "sample" or site["is_observed"] or is_subsample_site(site):
                 continue
             parameters = gaussian_parameters(site["fn"])
+            full = parameters is None and _cholesky_parameters(site["fn"]) is not None
+            if full:
+                parameters = _cholesky_parameters(site["fn"])
             in_plate = any(frame.name == plate.name for frame in site["cond_indep_stack"])
             scaled = not (isinstance(site["scale"], (int, float)) and site["scale"] == 1.0)
             if parameters is not None and not in_plate and not scaled:
-                gaussian[name] = parameters
+                gaussian[name] = (*parameters, full)
         return leaf, gaussian
 
     leaf, gaussian = run(point)
     # Coordinates that any location depends on cannot be set by a scale's fixed point.
     probe = sum(
         (torch.randn(loc.shape, generator=weights).to(loc) * loc).sum()
-        for loc, _ in gaussian.values()
+        for loc, _, _ in gaussian.values()
         if isinstance(loc, torch.Tensor) and loc.requires_grad
     )
     located = torch.zeros_like(point, dtype=torch.bool)
@@ -167,8 +205,8 @@ def find_scale_maps(
         if grad is not None:
             located = grad != 0
     maps, used = [], torch.zeros_like(located)
-    for name, (_, scale) in gaussian.items():
-        found = _scale_map(name, scale, leaf, layout)
+    for name, (_, scale, full) in gaussian.items():
+        found = cholesky_map(name, scale, leaf, layout) if full else _scale_map(name, scale, leaf, layout)
         if found is None or bool((located | used)[found.coordinates].any()):
             continue
         used[found.coordinates] = True
@@ -185,12 +223,21 @@ def find_scale_maps(
         for found in maps
         if found.site in moved
         and torch.allclose(
-            moved[found.site][1].detach().reshape(-1),
-            found.transform(shifted[found.coordinates]),
+            moved[found.site][1].detach().to(torch.float64).reshape(-1),
+            found.scales_at(shifted).to(torch.float64).reshape(-1),
             rtol=100 * MAP_TOLERANCE,
             atol=0.0,
         )
     ]
+
+
+def _cholesky_parameters(fn: torch.distributions.Distribution) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(loc, scale_tril)`` of a ``MultivariateNormal`` behind ``Independent``, else ``None``."""
+    while isinstance(fn, torch.distributions.Independent):
+        fn = fn.base_dist
+    if isinstance(fn, torch.distributions.MultivariateNormal) and fn.batch_shape == ():
+        return fn.loc, fn.scale_tril
+    return None
 
 
 def _scale_map(name: str, scale: torch.Tensor, leaf: torch.Tensor, layout: GlobalLayout) -> ScaleMap | None:
@@ -261,7 +308,7 @@ class ScaleFixedPoint:
     :param point: ``lambda_0``, flat, for the dtype and device.
     """
 
-    def __init__(self, maps: list[ScaleMap], num_blocks: int, point: torch.Tensor) -> None:
+    def __init__(self, maps: list[ScaleMap | CholeskyMap], num_blocks: int, point: torch.Tensor) -> None:
         self.maps = maps
         self.coordinates = torch.cat([m.coordinates for m in maps]).to(point.device)
         size = len(self.coordinates)
@@ -282,29 +329,19 @@ class ScaleFixedPoint:
         """The param sites whose coordinates the fixed point sets."""
         return [m.params for m in self.maps]
 
-    def _scales(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``sigma`` and ``d sigma / du`` at the coordinates' values ``u`` (float64)."""
-        u = u.detach().requires_grad_()
-        with torch.enable_grad():
-            parts = u.split([len(m.coordinates) for m in self.maps])
-            sigma = torch.cat([m.transform(part) for m, part in zip(self.maps, parts)])
-            (slope,) = torch.autograd.grad(sigma.sum(), u)
-        return sigma.detach(), slope
-
     def block_information(
         self, gradients: torch.Tensor, shares: torch.Tensor, point: torch.Tensor
     ) -> torch.Tensor:
         """``h_b`` of blocks from ``grad_lambda f_b`` at points whose scale coordinates are
-        ``point``'s (the block's solution, where the solves hold them at ``lambda_0``).
+        ``point``'s (the block's solution, where the solves hold them at ``lambda_0``): each map's
+        (:meth:`ScaleMap.information`, :meth:`~pyro_pdvi.infer.cholesky_maps.CholeskyMap.information`).
 
         :param gradients: ``(m, P)`` (only the scale coordinates are read).
         :param shares: ``s_b = |b| / N``, ``(m,)``.
         :param point: ``lambda_0``, ``(P,)``.
         :returns: ``(m, K)`` in float64.
         """
-        sigma, slope = self._scales(point.detach().to(torch.float64)[self.coordinates])
-        gradient = gradients.detach().to(torch.float64)[:, self.coordinates]
-        return (gradient / slope + shares.to(torch.float64)[:, None] / sigma) / sigma
+        return torch.cat([m.information(gradients, shares, point) for m in self.maps], dim=1)
 
     def record(self, block_ids: torch.Tensor, information: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Average new ``h_b`` into the blocks' stored ones (weight ``(p + 1) / (k + p)`` at the
@@ -337,9 +374,9 @@ class ScaleFixedPoint:
         ``(K,)``, in ``point``'s dtype: their values in ``point`` until every block has been seen,
         and where the precision is not positive."""
         ready = self.num_seen >= len(self.visits)
-        positive = self.total > 0
-        self.non_positive = torch.where(ready, (~positive).sum(), 0)
-        return self._values_at(point, self.total, ready & positive)
+        values, usable = self._values_at(point, self.total, ready.expand(len(self.total)))
+        self.non_positive = torch.where(ready, (~usable).sum(), 0)
+        return values
 
     def early_scales_at(self, point: torch.Tensor) -> torch.Tensor:
         """Before every block has been seen: the scales of ``sum_b h_bi`` estimated from the blocks
@@ -371,7 +408,7 @@ class ScaleFixedPoint:
         sites = torch.cat(
             [held_by_one[span].any().expand(span.stop - span.start) for span in self._spans()]
         )  # fmt: skip
-        return self._values_at(point, total, early & (total > 0) & ~sites)
+        return self._values_at(point, total, early & ~sites)[0]
 
     def _spans(self) -> list[slice]:
         """Each map's entries among the coordinates."""
@@ -381,13 +418,20 @@ class ScaleFixedPoint:
             start += len(m.coordinates)
         return spans
 
-    def _values_at(self, point: torch.Tensor, precision: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
-        """The coordinates' values whose scales are ``precision^(-1/2)`` where ``use``, their
-        values in ``point`` elsewhere; ``(K,)`` in ``point``'s dtype."""
+    def _values_at(
+        self, point: torch.Tensor, precision: torch.Tensor, use: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The coordinates' values at the fixed point of ``precision`` where ``use`` and the
+        precision allows (positive; a Cholesky map's positive definite), their values in
+        ``point`` elsewhere: ``(K,)`` in ``point``'s dtype, and where the precision allowed."""
         u = point.detach().to(torch.float64)[self.coordinates]
-        target = torch.where(use, precision, 1.0).rsqrt()
-        values = [m.transform.inv(target[span]) for m, span in zip(self.maps, self._spans())]
-        return torch.where(use, torch.cat(values), u).to(point.dtype)
+        values, usable = [], []
+        for m, span in zip(self.maps, self._spans()):
+            value, ok = m.values(precision[span], point)
+            values.append(value)
+            usable.append(ok.expand(span.stop - span.start))
+        usable = torch.cat(usable)
+        return torch.where(use & usable, torch.cat(values), u).to(point.dtype), usable
 
     def state_dict(self) -> dict:
         return {

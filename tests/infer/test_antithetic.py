@@ -92,6 +92,40 @@ def test_looped_particles_are_drawn_in_mirrored_pairs_with_their_second_moment_m
         LoopedAntitheticNoise(3)
 
 
+@pytest.mark.parametrize("looped", [False, True], ids=["vectorized", "looped"])
+def test_a_multivariate_site_s_noise_is_whitened_jointly(looped):
+    """Moment matching makes the mean of ``z z'`` over the pairs exactly the identity for a
+    ``MultivariateNormal`` site (its correlations then cancel at fixed noise too, as
+    ``cholesky_maps`` needs), and its diagonal exactly one for independent coordinates."""
+    scale_tril = torch.tensor([[1.0, 0.0], [0.4, 0.5]], dtype=torch.float64)
+    loc = torch.tensor([0.5, -1.0], dtype=torch.float64)
+
+    def guide():
+        pyro.sample("mvn", dist.MultivariateNormal(loc, scale_tril=scale_tril))
+        pyro.sample("normal", dist.Normal(loc, 1.0).to_event(1))
+
+    if looped:
+        draws = []
+        with LoopedAntitheticNoise(K, match_second_moment=True):
+            for _ in range(K):
+                with poutine.trace() as tracer:
+                    guide()
+                draws.append({name: site["value"] for name, site in tracer.trace.nodes.items()})
+        values = {name: torch.stack([d[name] for d in draws])[0::2] for name in ("mvn", "normal")}
+    else:
+        with AntitheticNoise(match_second_moment=True), poutine.trace() as tracer:
+            pyro.plate("num_particles_vectorized", K, dim=-1)(guide)()
+        values = {name: tracer.trace.nodes[name]["value"][: K // 2] for name in ("mvn", "normal")}
+    noise = torch.linalg.solve_triangular(
+        scale_tril, (values["mvn"] - loc).unsqueeze(-1), upper=False
+    ).squeeze(-1)
+    assert torch.allclose(noise.T @ noise / (K // 2), torch.eye(2, dtype=torch.float64), atol=1e-12)
+    independent = values["normal"] - loc
+    moment = independent.T @ independent / (K // 2)
+    assert torch.allclose(moment.diagonal(), torch.ones(2, dtype=torch.float64), atol=1e-12)
+    assert abs(float(moment[0, 1])) > 1e-6
+
+
 def test_central_draws_are_the_same_for_every_particle():
     """Gaussian sites at zero noise (their location through their transforms), others at their
     mean; every particle the same value."""

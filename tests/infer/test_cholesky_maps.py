@@ -1,0 +1,183 @@
+"""The Cholesky factor of a full-covariance Gaussian global guide site by the fixed point."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.distributions import constraints
+from pyro.infer import Trace_ELBO
+from pyro.infer.autoguide import AutoMultivariateNormal
+
+from pyro_pdvi import PDVI
+from pyro_pdvi.infer.cholesky_maps import CholeskyMap, symmetric_from_lower_product
+from pyro_pdvi.infer.handlers import trace_guide_at
+from pyro_pdvi.infer.params import ParamStoreView
+from pyro_pdvi.infer.scales import find_scale_maps
+from pyro_pdvi.infer.sites import GlobalLayout, find_sites
+
+NUM_DATA = 16
+DIM = 3
+NOISE = 0.5
+COVARIATES = torch.randn(NUM_DATA, DIM, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+COVARIATES[:, 1] += COVARIATES[:, 0]  # correlated: the posterior's correlations matter
+RESPONSES = COVARIATES @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 0.3
+ORDER = COVARIATES[:, 0].argsort()  # blocks sorted by the first covariate
+COVARIATES, RESPONSES = COVARIATES[ORDER], RESPONSES[ORDER]
+BLOCKS = list(torch.arange(NUM_DATA).chunk(4))
+
+
+def regression(idx=None):
+    """``w ~ N(0, I)``, ``y_i ~ N(x_i w, NOISE^2)``: the posterior is Gaussian, and so the optimum of
+    a full-covariance Gaussian guide."""
+    w = pyro.sample("w", dist.Normal(torch.zeros(DIM, dtype=torch.float64), 1.0).to_event(1))
+    with pyro.plate("data", NUM_DATA, subsample=idx) as i:
+        pyro.sample("y", dist.Normal((COVARIATES[i] * w).sum(-1), NOISE), obs=RESPONSES[i])
+
+
+def precision_of(rows: torch.Tensor, prior_share: float = 1.0) -> torch.Tensor:
+    """``-grad^2 log p`` of the rows' likelihood plus ``prior_share`` of the prior's."""
+    x = COVARIATES[rows]
+    return x.T @ x / NOISE**2 + prior_share * torch.eye(DIM, dtype=torch.float64)
+
+
+def exact_posterior() -> tuple[torch.Tensor, torch.Tensor]:
+    precision = precision_of(torch.arange(NUM_DATA))
+    covariance = torch.linalg.inv(precision)
+    return covariance @ COVARIATES.T @ RESPONSES / NOISE**2, covariance
+
+
+def test_the_triangular_system_gives_the_symmetric_matrix_exactly():
+    """``tril(H L) = R`` recovers ``H``, batched."""
+    generator = torch.Generator().manual_seed(1)
+    square = torch.randn(2, 5, 5, generator=generator, dtype=torch.float64)
+    symmetric = square @ square.mT + torch.eye(5, dtype=torch.float64)
+    other = torch.randn(2, 5, 5, generator=generator, dtype=torch.float64)
+    cholesky = torch.linalg.cholesky(other @ other.mT + torch.eye(5, dtype=torch.float64))
+    recovered = symmetric_from_lower_product((symmetric @ cholesky).tril(), cholesky)
+    assert torch.allclose(recovered, symmetric, rtol=0, atol=1e-12)
+
+
+def _set_up(guide):
+    """The guide's map, layout and ``lambda_0`` on the first block (its params moved off the start)."""
+    guide(BLOCKS[0])
+    found = find_sites(regression, guide, (BLOCKS[0],), {}, NUM_DATA, None)
+    layout = GlobalLayout(found.global_sites)
+    point = ParamStoreView(layout, found.local_sites).consensus().detach()
+    (scale_map,) = find_scale_maps(guide, found.plate, layout, point, BLOCKS[0], (), {})
+    return scale_map, layout, point, found.plate
+
+
+def _exact_block_gradient(guide, layout, point, plate, block, share):
+    """``grad_lambda f_b`` of the terms of ``f_b`` that depend on the covariance, in closed form:
+    ``tr(Lambda_b Sigma) / 2 - s_b log det L``."""
+    constraints_ = {site.name: site.constraint for site in layout.sites}
+    leaf = point.clone().requires_grad_()
+    trace = trace_guide_at(guide, layout.unflatten(leaf), constraints_, plate.name, block, (), {})
+    posterior = next(site["fn"] for name, site in trace.nodes.items() if name.endswith("_latent"))
+    cholesky = posterior.scale_tril
+    objective = 0.5 * (precision_of(block, share) * (cholesky @ cholesky.T)).sum()
+    objective = objective - share * cholesky.diagonal().log().sum()
+    (gradient,) = torch.autograd.grad(objective, leaf)
+    return gradient
+
+
+def _moved_automultivariatenormal():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMultivariateNormal(regression, init_scale=0.3)
+    guide(BLOCKS[0])
+    with torch.no_grad():
+        for _, param in guide.named_parameters():
+            param.add_(0.2 * torch.randn_like(param))
+    return guide
+
+
+def test_automultivariatenormal_maps_its_scale_and_unit_cholesky_factor_both_ways():
+    """The block information from the closed-form gradient is ``Lambda_b`` (the lower triangle),
+    and the values from ``sum_b Lambda_b`` put ``L`` at the posterior's Cholesky factor."""
+    guide = _moved_automultivariatenormal()
+    scale_map, layout, point, plate = _set_up(guide)
+    assert isinstance(scale_map, CholeskyMap) and scale_map.unit
+    assert scale_map.params == "AutoMultivariateNormal.scale, AutoMultivariateNormal.scale_tril"
+    assert len(scale_map.coordinates) == DIM * (DIM + 1) // 2
+    rows, columns = torch.tril_indices(DIM, DIM)
+    share = len(BLOCKS[1]) / NUM_DATA
+    gradient = _exact_block_gradient(guide, layout, point, plate, BLOCKS[1], share)
+    information = scale_map.information(gradient[None], torch.tensor([share]), point)
+    assert torch.allclose(
+        information[0], precision_of(BLOCKS[1], share)[rows, columns], rtol=1e-12, atol=1e-12
+    )
+    values, usable = scale_map.values(precision_of(torch.arange(NUM_DATA))[rows, columns], point)
+    moved = point.clone()
+    moved[scale_map.coordinates] = values
+    assert bool(usable)
+    assert torch.allclose(
+        scale_map.cholesky_at(moved), torch.linalg.cholesky(exact_posterior()[1]), atol=1e-14
+    )
+    not_definite = -precision_of(torch.arange(NUM_DATA))[rows, columns]
+    values, usable = scale_map.values(not_definite, point)
+    assert not bool(usable) and torch.equal(values, point[scale_map.coordinates].to(values))
+
+
+def test_a_lower_cholesky_param_is_mapped_and_one_a_location_uses_is_not():
+    """A hand-written guide's ``lower_cholesky`` param qualifies; the same param also moving the
+    location does not (the fixed point would move the mean)."""
+
+    def guide(idx=None, share_with_location=False):
+        cholesky = pyro.param(
+            "L", torch.eye(DIM, dtype=torch.float64) * 0.3, constraint=constraints.lower_cholesky
+        )
+        loc = pyro.param("m", torch.zeros(DIM, dtype=torch.float64))
+        if share_with_location:
+            loc = loc + cholesky.sum(-1)
+        pyro.sample("w", dist.MultivariateNormal(loc, scale_tril=cholesky))
+        with pyro.plate("data", NUM_DATA, subsample=idx):
+            pass
+
+    pyro.clear_param_store()
+    scale_map, *_ = _set_up(guide)
+    assert isinstance(scale_map, CholeskyMap) and not scale_map.unit and scale_map.params == "L"
+    pyro.clear_param_store()
+    shared = lambda idx=None: guide(idx, share_with_location=True)  # noqa: E731
+    shared(BLOCKS[0])
+    found = find_sites(regression, shared, (BLOCKS[0],), {}, NUM_DATA, None)
+    layout = GlobalLayout(found.global_sites)
+    point = ParamStoreView(layout, found.local_sites).consensus().detach()
+    assert find_scale_maps(shared, found.plate, layout, point, BLOCKS[0], (), {}) == []
+
+
+@pytest.mark.parametrize("loss", [Trace_ELBO(), Trace_ELBO(num_particles=8, vectorize_particles=True)])
+def test_the_covariance_is_exact_after_one_epoch_and_the_run_reaches_the_posterior(loss):
+    """With antithetic particles whitened jointly (``antithetic.matched_second_moment``) the block
+    information of a Gaussian target is exact, so once every block has been seen the covariance
+    is the posterior's (float64); the primal-dual iteration then takes the mean there. Left to
+    the primal-dual iteration (``scale_update="primal_dual"``, the only way before) it is far off
+    after that epoch."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMultivariateNormal(regression, init_scale=0.3)
+    pdvi = PDVI(regression, guide, pyro.optim.Adam({"lr": 0.01}), loss, blocks=BLOCKS)
+    mean, covariance = exact_posterior()
+    for epoch in range(40):
+        for block in BLOCKS:
+            pdvi.step(block)
+        if epoch == 0:
+            first = guide.get_posterior().covariance_matrix.detach()
+            assert torch.allclose(first, covariance, rtol=1e-10, atol=1e-14)
+    assert pdvi.diagnostics["scale_fixed_point"]["params"] == [
+        "AutoMultivariateNormal.scale, AutoMultivariateNormal.scale_tril"
+    ]
+    posterior = guide.get_posterior()
+    assert torch.allclose(posterior.covariance_matrix.detach(), covariance, rtol=1e-10, atol=1e-14)
+    assert torch.allclose(posterior.loc.detach(), mean, atol=1e-6)
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMultivariateNormal(regression, init_scale=0.3)
+    pdvi = PDVI(
+        regression, guide, pyro.optim.Adam({"lr": 0.01}), loss, blocks=BLOCKS, scale_update="primal_dual"
+    )
+    for block in BLOCKS:
+        pdvi.step(block)
+    error = (guide.get_posterior().covariance_matrix.detach() - covariance).norm() / covariance.norm()
+    assert error > 0.05
