@@ -103,6 +103,12 @@ class CholeskyMap:
             return self.factor_coordinates
         return torch.cat([self.scale_coordinates, self.factor_coordinates])
 
+    @property
+    def precision_entries(self) -> torch.Tensor:
+        """Which of the block information's entries (``H_b``'s lower triangle) are on its diagonal."""
+        rows, columns = torch.tril_indices(self.size, self.size)
+        return rows == columns
+
     def _factor_values(self, point: torch.Tensor) -> torch.Tensor:
         """``B``'s whole unconstrained ``(D, D)`` value in ``point``."""
         size = self.size

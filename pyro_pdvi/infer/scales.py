@@ -120,6 +120,11 @@ class ScaleMap(NamedTuple):
         """The scale entries at the flat params ``point``."""
         return self.transform(point[self.coordinates])
 
+    @property
+    def precision_entries(self) -> torch.Tensor:
+        """Which of the block information's entries are precisions: every one."""
+        return torch.ones(len(self.coordinates), dtype=torch.bool)
+
     def information(self, gradients: torch.Tensor, shares: torch.Tensor, point: torch.Tensor) -> torch.Tensor:
         """Blocks' ``h_bi`` (module docstring), ``(m, K)`` in float64.
 
@@ -405,9 +410,15 @@ class ScaleFixedPoint:
         total = seen_information.sum(0) + (len(self.visits) - count) * typical
         shares = seen_information.clamp(min=0)
         held_by_one = shares.max(0).values > EARLY_CONCENTRATED_SHARE * shares.sum(0)
+        # Of a Cholesky map's entries, the precisions on the diagonal (its others may be negative).
         sites = torch.cat(
-            [held_by_one[span].any().expand(span.stop - span.start) for span in self._spans()]
-        )  # fmt: skip
+            [
+                held_by_one[span][m.precision_entries.to(held_by_one.device)]
+                .any()
+                .expand(span.stop - span.start)
+                for m, span in zip(self.maps, self._spans())
+            ]
+        )
         return self._values_at(point, total, early & ~sites)[0]
 
     def _spans(self) -> list[slice]:

@@ -12,7 +12,7 @@ from pyro_pdvi import PDVI
 from pyro_pdvi.infer.cholesky_maps import CholeskyMap, symmetric_from_lower_product
 from pyro_pdvi.infer.handlers import trace_guide_at
 from pyro_pdvi.infer.params import ParamStoreView
-from pyro_pdvi.infer.scales import find_scale_maps
+from pyro_pdvi.infer.scales import ScaleFixedPoint, find_scale_maps
 from pyro_pdvi.infer.sites import GlobalLayout, find_sites
 
 NUM_DATA = 16
@@ -181,3 +181,46 @@ def test_the_covariance_is_exact_after_one_epoch_and_the_run_reaches_the_posteri
         pdvi.step(block)
     error = (guide.get_posterior().covariance_matrix.detach() - covariance).norm() / covariance.norm()
     assert error > 0.05
+
+
+def test_the_first_epoch_reports_a_covariance_from_the_blocks_seen():
+    """From the fourth block of the first epoch the param store reports the covariance of the
+    blocks' ``H_b`` seen so far (those not yet seen counted as the median seen one): closer to the
+    posterior's than the guide's start, which the solves keep until every block has been seen."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMultivariateNormal(regression, init_scale=0.3)
+    blocks = list(torch.arange(NUM_DATA).chunk(8))
+    pdvi = PDVI(regression, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), blocks=blocks)
+    _, covariance = exact_posterior()
+    start = 0.3**2 * torch.eye(DIM, dtype=torch.float64)
+    for block in blocks[:5]:
+        pdvi.step(block)
+    reported = guide.get_posterior().covariance_matrix.detach()
+    assert (reported - covariance).norm() < 0.5 * (start - covariance).norm()
+    (cholesky_map,) = pdvi._scales.maps
+    held = cholesky_map.cholesky_at(pdvi._consensus_params)
+    assert torch.allclose(held @ held.T, start, rtol=1e-12)
+
+
+def test_one_block_s_share_of_a_correlation_does_not_hold_back_the_first_epoch_s_estimate():
+    """Whether one seen block holds a site (a group's random effect, which the first epoch's
+    estimate leaves at its start) is read off the precisions on ``H_b``'s diagonal: an
+    off-diagonal entry, positive in one block and negative in the others, does not count."""
+    guide = _moved_automultivariatenormal()
+    scale_map, _, point, _ = _set_up(guide)
+    fixed = ScaleFixedPoint([scale_map], 8, point)
+    rows, columns = torch.tril_indices(DIM, DIM)
+    for b in range(5):
+        precision = torch.eye(DIM, dtype=torch.float64) * 10.0
+        precision[1, 0] = precision[0, 1] = 5.0 if b == 0 else -1.0
+        fixed.information[b] = precision[rows, columns]
+        fixed.visits[b] = 1
+    values = fixed.early_scales_at(point)
+    assert not torch.allclose(values, point[scale_map.coordinates])
+    moved = point.clone()
+    moved[scale_map.coordinates] = values
+    estimate = scale_map.cholesky_at(moved)
+    expected = torch.eye(DIM, dtype=torch.float64) * 80.0
+    expected[1, 0] = expected[0, 1] = 5.0 - 4.0 - 3.0  # the seen blocks, and 3 more at the median
+    assert torch.allclose(estimate @ estimate.T, torch.linalg.inv(expected), rtol=1e-10)
