@@ -35,6 +35,7 @@ from pyro.optim import PyroOptim
 from ..checks import check_choice, check_non_negative, check_positive_int
 from ..errors import NonFiniteStepError, warn_user
 from .blocks import BlockPartition
+from .cholesky_maps import CholeskyMap
 from .consensus import GLOBAL_UPDATES, ConsensusState, ConsensusUpdate, find_non_finite
 from .coupling import CoupledLosses, Coupling
 from .handlers import plate_entry
@@ -205,7 +206,8 @@ class PDVI(StepSizeUpkeep):
         (``AutoNormal``'s, a ``positive`` or log-scale param's) or a ``MultivariateNormal`` site
         whose Cholesky factor is a ``lower_cholesky`` param or ``AutoMultivariateNormal``'s
         ``scale`` and ``scale_tril`` (``Sigma^-1 = sum_b H_b``:
-        :mod:`~pyro_pdvi.infer.cholesky_maps`), else the primal-dual iteration
+        :mod:`~pyro_pdvi.infer.cholesky_maps`; of at most half as many dimensions as the solves'
+        antithetic particles, 32 at 64), else the primal-dual iteration
         (``docs/benchmarks.md`` 13i: standard deviations 3-43x closer on the five small models of
         the generic suite; each block's share comes from the gradient at its solution, which the
         solver hands on, so it costs no model call: 13j).
@@ -556,6 +558,10 @@ class PDVI(StepSizeUpkeep):
         maps = find_scale_maps(
             self.guide, self.plate, self.layout, point, indices, args, kwargs, self._side_seed(-2)
         )
+        # A full-covariance site's block information is exact at fixed noise only where its draws
+        # can be whitened: at least as many antithetic pairs as dimensions (docs/benchmarks.md 13zi).
+        pairs = getattr(self._solve_loss.loss, "num_particles", 1) // 2 if self._solve_loss.antithetic else 0
+        maps = [m for m in maps if not isinstance(m, CholeskyMap) or m.size <= pairs]
         if not maps:
             if self.scale_update == "fixed_point":
                 raise ValueError(
@@ -563,7 +569,8 @@ class PDVI(StepSizeUpkeep):
                     "a parameter-free transform) whose scale entries are each one param coordinate's "
                     "own function (a positive or softplus_positive param, or exp of an unconstrained "
                     "one) that no location uses, nor a MultivariateNormal whose scale_tril is a "
-                    "lower_cholesky param (or a positive one times a unit_lower_cholesky one); use "
+                    "lower_cholesky param (or a positive one times a unit_lower_cholesky one) with "
+                    "at least twice as many antithetic particles as dimensions (particles=...); use "
                     "scale_update='primal_dual'"
                 )
             return None
