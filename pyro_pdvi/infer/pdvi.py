@@ -561,7 +561,17 @@ class PDVI(StepSizeUpkeep):
         # A full-covariance site's block information is exact at fixed noise only where its draws
         # can be whitened: at least as many antithetic pairs as dimensions (docs/benchmarks.md 13zi).
         pairs = getattr(self._solve_loss.loss, "num_particles", 1) // 2 if self._solve_loss.antithetic else 0
-        maps = [m for m in maps if not isinstance(m, CholeskyMap) or m.size <= pairs]
+        too_large = [m for m in maps if isinstance(m, CholeskyMap) and m.size > pairs]
+        if too_large:
+            sites = ", ".join(f'"{m.site}" ({m.size} dimensions)' for m in too_large)
+            warn_user(
+                f"PDVI sets the covariance of {sites} by the primal-dual iteration, which converges "
+                f"slowly there: its fixed point (docs/benchmarks.md 13zi) needs at least as many "
+                f"antithetic particle pairs as dimensions, and the solves draw {2 * pairs} paired "
+                f"particles. Pass particles={2 * max(m.size for m in too_large)} (or more) to PDVI "
+                "to set it by the fixed point."
+            )
+            maps = [m for m in maps if m not in too_large]
         if not maps:
             if self.scale_update == "fixed_point":
                 raise ValueError(
