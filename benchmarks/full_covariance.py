@@ -22,6 +22,14 @@ in nats; then PDVI over the best SVI per metric. All runs start from ``init_to_f
 
     python benchmarks/full_covariance.py --seeds 0,1,2 --budget-seconds 20
 
+``--logreg`` runs the suite's logistic regression (breast_cancer, 31 coefficients, 20 blocks
+sorted by label, ``Trace_ELBO()``) under ``AutoMultivariateNormal`` instead: no closed-form
+optimum there, so it prints the full data's negative ELBO, estimated from the guide's moments
+with 2,000 draws held fixed for every method and checkpoint (common random numbers), mean over
+the seeds; methods as above plus PDVI with ``scale_update="primal_dual"``::
+
+    python benchmarks/full_covariance.py --logreg --seeds 0 --budget-seconds 20
+
 Why (``docs/benchmarks.md`` 13zi): until session 34 a full-covariance site's Fisher information
 was a 16-draw Monte Carlo estimate, and its covariance was left to the Monte Carlo primal-dual
 iteration; now the first is exact (:mod:`pyro_pdvi.infer.fisher`) and the second is set by its
@@ -54,7 +62,13 @@ from pyro.infer.autoguide.initialization import init_to_feasible  # noqa: E402
 from benchmarks.common import as_a_user_runs  # noqa: E402
 from benchmarks.generic_suite.baselines import pdvi, svi_methods  # noqa: E402
 from benchmarks.generic_suite.metrics import at_seconds  # noqa: E402
-from benchmarks.generic_suite.models import Problem, design_matrix, sorted_blocks, standardise  # noqa: E402
+from benchmarks.generic_suite.models import (  # noqa: E402
+    Problem,
+    design_matrix,
+    make_problem,
+    sorted_blocks,
+    standardise,
+)
 from benchmarks.generic_suite.runner import run_method  # noqa: E402
 
 GUIDES = ("AutoDiagonalNormal", "AutoMultivariateNormal", "AutoLowRankMultivariateNormal")
@@ -73,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--svi-lrs", default="0.003,0.01,0.03,0.1", help="comma list of SVI+Adam rates")
     parser.add_argument("--decay-lr", type=float, default=0.1, help="SVI+Adam lr/(1+epoch/10); 0: none")
     parser.add_argument("--num-data", type=int, default=None, help="the first rows only (tests)")
+    parser.add_argument("--logreg", action="store_true", help="the suite's logistic regression (docstring)")
     args = parser.parse_args(argv)
     args.guides = [g for g in args.guides.split(",") if g]
     unknown = [g for g in args.guides if g not in GUIDES]
@@ -246,6 +261,8 @@ def main(args: argparse.Namespace) -> list[dict]:
 
 
 def _run(args: argparse.Namespace) -> list[dict]:
+    if args.logreg:
+        return _run_logreg(args)
     rows = []
     methods = svi_methods(args.svi_lrs, args.decay_lr or None, 10.0) + [pdvi("defaults")]
     for guide_name in args.guides:
@@ -276,6 +293,64 @@ def _run(args: argparse.Namespace) -> list[dict]:
             print(f"| {method.label} | " + " | ".join(cells) + f" | {row['epochs']:.0f} |", flush=True)
         print_ratios(guide_rows, args.checkpoints)
         rows += guide_rows
+    return rows
+
+
+class LogisticElboScorer:
+    """The full data's negative ELBO of the param store's ``AutoMultivariateNormal`` on the suite's
+    logistic regression: the likelihood's expectation from :data:`ELBO_DRAWS` standard-normal
+    draws made once (the same for every method and checkpoint), the prior's and the entropy in
+    closed form; float64."""
+
+    def __init__(self, problem: Problem, seed: int = 0) -> None:
+        self.x, self.y = problem.data["x"], problem.data["y"]
+        self.prior_scale = problem.prior_scale
+        generator = torch.Generator().manual_seed(seed)
+        self.noise = torch.randn(ELBO_DRAWS, self.x.shape[1], generator=generator, dtype=torch.float64)
+
+    def __call__(self) -> dict[str, float]:
+        mean, covariance = guide_moments("AutoMultivariateNormal")
+        cholesky, info = torch.linalg.cholesky_ex(covariance)
+        if not (bool(torch.isfinite(mean).all()) and int(info) == 0):
+            return {"non_finite": 1.0}
+        draws = mean + self.noise @ cholesky.T
+        likelihood = dist.Bernoulli(logits=draws @ self.x.T).log_prob(self.y).sum(-1).mean()
+        size = len(mean)
+        prior = -0.5 * ((mean.square().sum() + covariance.trace()) / self.prior_scale**2) - size * (
+            math.log(self.prior_scale) + 0.5 * math.log(2 * math.pi)
+        )
+        entropy = cholesky.diagonal().log().sum() + 0.5 * size * (1 + math.log(2 * math.pi))
+        return {"neg_elbo": float(-(likelihood + prior + entropy))}
+
+
+#: Draws of the likelihood's expectation in :class:`LogisticElboScorer`.
+ELBO_DRAWS = 2000
+
+
+def _run_logreg(args: argparse.Namespace) -> list[dict]:
+    problem = make_problem("logreg", False, torch.float32, "cpu")
+    problem.make_guide = lambda: AutoMultivariateNormal(
+        problem.model, init_loc_fn=init_to_feasible, init_scale=0.1
+    )
+    scorer = LogisticElboScorer(problem)
+    methods = svi_methods(args.svi_lrs, args.decay_lr or None, 10.0) + [pdvi("defaults"), pdvi("scale_pd")]
+    print(
+        f"\n## {problem.title.replace('AutoNormal', 'AutoMultivariateNormal')}: negative ELBO\n", flush=True
+    )
+    print("| method | " + " | ".join(f"{t:g} s" for t in args.checkpoints) + " | epochs |")
+    print("|---|" + "---|" * (len(args.checkpoints) + 1))
+    for method in methods[:1] + methods[-2:-1]:
+        run_method(problem, method, scorer, args.seeds[0], 0.0, 1, float("inf"))
+    rows = []
+    for method in methods:
+        runs = [run_method(problem, method, scorer, s, args.budget_seconds, 10**6, 0.25) for s in args.seeds]
+        row = {"method": method.label, "epochs": sum(run.epochs for run in runs) / len(runs)}
+        for t in args.checkpoints:
+            records = [at_seconds(run.history, t) or {} for run in runs]
+            row[f"neg_elbo@{t:g}"] = sum(r.get("neg_elbo", math.nan) for r in records) / len(records)
+        rows.append(row)
+        cells = [f"{row[f'neg_elbo@{t:g}']:.3f}" for t in args.checkpoints]
+        print(f"| {method.label} | " + " | ".join(cells) + f" | {row['epochs']:.0f} |", flush=True)
     return rows
 
 
