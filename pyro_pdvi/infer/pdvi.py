@@ -73,6 +73,10 @@ from .swing import SwingMeter
 from .upkeep import StepSizeUpkeep
 from .whitening import SiteWhitening
 
+#: The most particles PDVI draws to whiten a full-covariance site's draws (two per dimension):
+#: a larger site keeps the cost rule's particles and the primal-dual iteration, with a warning.
+MAX_WHITENED_PARTICLES = 256
+
 #: Values of ``PDVI(scale_update=...)``.
 SCALE_UPDATES = ("auto", "fixed_point", "primal_dual")
 
@@ -207,7 +211,8 @@ class PDVI(StepSizeUpkeep):
         whose Cholesky factor is a ``lower_cholesky`` param or ``AutoMultivariateNormal``'s
         ``scale`` and ``scale_tril`` (``Sigma^-1 = sum_b H_b``:
         :mod:`~pyro_pdvi.infer.cholesky_maps`; of at most half as many dimensions as the solves'
-        antithetic particles, 32 at 64), else the primal-dual iteration
+        antithetic particles, which PDVI's own vectorized particles are raised to, up to
+        :data:`MAX_WHITENED_PARTICLES`), else the primal-dual iteration
         (``docs/benchmarks.md`` 13i: standard deviations 3-43x closer on the five small models of
         the generic suite; each block's share comes from the gradient at its solution, which the
         solver hands on, so it costs no model call: 13j).
@@ -562,6 +567,8 @@ class PDVI(StepSizeUpkeep):
         # can be whitened: at least as many antithetic pairs as dimensions (docs/benchmarks.md 13zi).
         pairs = getattr(self._solve_loss.loss, "num_particles", 1) // 2 if self._solve_loss.antithetic else 0
         too_large = [m for m in maps if isinstance(m, CholeskyMap) and m.size > pairs]
+        if too_large and self._draw_particles_for(max(m.size for m in too_large), args, kwargs):
+            too_large = []
         if too_large:
             sites = ", ".join(f'"{m.site}" ({m.size} dimensions)' for m in too_large)
             warn_user(
@@ -585,6 +592,32 @@ class PDVI(StepSizeUpkeep):
                 )
             return None
         return ScaleFixedPoint(maps, len(self.partition), point)
+
+    def _draw_particles_for(self, dimensions: int, args: tuple, kwargs: dict) -> bool:
+        """Where PDVI draws the solves' vectorized particles itself (``particles="auto"``), raise
+        them to two per dimension of a full-covariance site, up to :data:`MAX_WHITENED_PARTICLES`,
+        so that its draws can be whitened and its covariance set by the fixed point
+        (``docs/benchmarks.md`` 13zi: at 48 dimensions 96 particles cost an epoch 1.3x the 54 that
+        the cost rule chose, and gave the exact covariance after one epoch, where the primal-dual
+        iteration was 0.28 off after 40). Before any solve: the new ELBO's lazy set-up runs here,
+        not recorded, as in :meth:`_warm_up`.
+
+        :returns: whether the particles now suffice.
+        """
+        needed = 2 * dimensions
+        owned_vectorized = self._solve_loss.owned and getattr(
+            self._solve_loss.loss, "vectorize_particles", False
+        )
+        if self.particles != "auto" or not owned_vectorized or needed > MAX_WHITENED_PARTICLES:
+            return False
+        self._solve_loss = solve_loss(self.loss, needed, self.antithetic, self._noisy_solve)
+        self._objective.loss_fn = self._solve_loss.fn
+        first = self.partition.stacked(torch.tensor([0]), self.device)
+        with self._objective.one_off():
+            self._objective.bind(first, [0], args, kwargs)(
+                self._copies(self._state.consensus, 1), self._params.rows(first)
+            )
+        return True
 
     def _copies(self, flat: torch.Tensor, num_blocks: int, requires_grad: bool = True) -> dict:
         """``lambda`` (a flat vector) as every global site's value for ``num_blocks`` blocks."""

@@ -251,3 +251,32 @@ def test_the_fixed_point_needs_as_many_particle_pairs_as_dimensions(particles, f
     assert ("scale_fixed_point" in pdvi.diagnostics) == fixed_point
     error = (guide.get_posterior().covariance_matrix.detach() - exact_posterior()[1]).norm()
     assert (error < 1e-10) == fixed_point
+
+
+def test_pdvi_draws_two_particles_per_dimension_for_a_large_site():
+    """Where PDVI draws the particles itself, a site of more dimensions than the cost rule's pairs
+    (40 here, against 32 pairs at 64 particles) gets two particles per dimension, and with them the
+    fixed point: the covariance is the posterior's after one epoch, without a warning."""
+    size, num_data = 40, 120
+    generator = torch.Generator().manual_seed(2)
+    covariates = torch.randn(num_data, size, generator=generator, dtype=torch.float64)
+    responses = covariates.sum(-1) + torch.randn(num_data, generator=generator, dtype=torch.float64)
+    blocks = list(torch.arange(num_data).chunk(4))
+
+    def model(idx=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(size, dtype=torch.float64), 1.0).to_event(1))
+        with pyro.plate("data", num_data, subsample=idx) as i:
+            pyro.sample("y", dist.Normal((covariates[i] * w).sum(-1), 1.0), obs=responses[i])
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMultivariateNormal(model, init_scale=0.3)
+    pdvi = PDVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), blocks=blocks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for block in blocks:
+            pdvi.step(block)
+    assert pdvi.solve_loss.loss.num_particles == 2 * size
+    covariance = torch.linalg.inv(covariates.T @ covariates + torch.eye(size, dtype=torch.float64))
+    fitted = guide.get_posterior().covariance_matrix.detach()
+    assert torch.allclose(fitted, covariance, rtol=1e-9, atol=1e-13)
