@@ -571,12 +571,17 @@ class PDVI(StepSizeUpkeep):
             too_large = []
         if too_large:
             sites = ", ".join(f'"{m.site}" ({m.size} dimensions)' for m in too_large)
+            needed = 2 * max(m.size for m in too_large)
+            fix = (
+                f"the solves draw {2 * pairs} paired particles. Pass particles={needed} (or more)"
+                if self._solve_loss.antithetic
+                else f"the solves' particles are not paired. Pass antithetic=True and particles={needed}"
+            )
             warn_user(
                 f"PDVI sets the covariance of {sites} by the primal-dual iteration, which converges "
                 f"slowly there: its fixed point (docs/benchmarks.md 13zi) needs at least as many "
-                f"antithetic particle pairs as dimensions, and the solves draw {2 * pairs} paired "
-                f"particles. Pass particles={2 * max(m.size for m in too_large)} (or more) to PDVI "
-                "to set it by the fixed point."
+                f"antithetic particle pairs as dimensions, and {fix} to PDVI to set it by the fixed "
+                "point."
             )
             maps = [m for m in maps if m not in too_large]
         if not maps:
@@ -608,7 +613,8 @@ class PDVI(StepSizeUpkeep):
         owned_vectorized = self._solve_loss.owned and getattr(
             self._solve_loss.loss, "vectorize_particles", False
         )
-        if self.particles != "auto" or not owned_vectorized or needed > MAX_WHITENED_PARTICLES:
+        paired = self.antithetic is not False
+        if self.particles != "auto" or not (owned_vectorized and paired) or needed > MAX_WHITENED_PARTICLES:
             return False
         self._solve_loss = solve_loss(self.loss, needed, self.antithetic, self._noisy_solve)
         self._objective.loss_fn = self._solve_loss.fn

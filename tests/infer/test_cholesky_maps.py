@@ -228,23 +228,32 @@ def test_one_block_s_share_of_a_correlation_does_not_hold_back_the_first_epoch_s
     assert torch.allclose(estimate @ estimate.T, torch.linalg.inv(expected), rtol=1e-10)
 
 
-@pytest.mark.parametrize("particles, fixed_point", [(4, False), (6, True)])
-def test_the_fixed_point_needs_as_many_particle_pairs_as_dimensions(particles, fixed_point):
+@pytest.mark.parametrize(
+    "particles, antithetic, fixed_point", [(4, "auto", False), (6, "auto", True), ("auto", False, False)]
+)
+def test_the_fixed_point_needs_as_many_particle_pairs_as_dimensions(particles, antithetic, fixed_point):
     """With fewer antithetic pairs than dimensions the draws cannot be whitened and ``H_b`` is not
     exact (measured: 27 pairs in 48 dimensions left the covariance 330x off): the site stays with
-    the primal-dual iteration, and a warning says how many particles would do. With as many pairs
-    as dimensions it takes the fixed point."""
+    the primal-dual iteration, and a warning says how many particles would do; so does a site whose
+    particles are not paired. With as many pairs as dimensions it takes the fixed point."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     guide = AutoMultivariateNormal(regression, init_scale=0.3)
     pdvi = PDVI(
-        regression, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), blocks=BLOCKS, particles=particles
+        regression,
+        guide,
+        pyro.optim.Adam({"lr": 0.01}),
+        Trace_ELBO(),
+        blocks=BLOCKS,
+        particles=particles,
+        antithetic=antithetic,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for block in BLOCKS:
             pdvi.step(block)
-    advice = [w for w in caught if "particles=6 (or more)" in str(w.message)]
+    fix = "particles=6 (or more)" if antithetic == "auto" else "antithetic=True and particles=6"
+    advice = [w for w in caught if fix in str(w.message)]
     assert len(advice) == (0 if fixed_point else 1)
     if advice:
         assert '"_AutoMultivariateNormal_latent" (3 dimensions)' in str(advice[0].message)
