@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from pyro.infer.autoguide import AutoDiagonalNormal  # noqa: E402
 from pyro.infer.autoguide.initialization import init_to_feasible  # noqa: E402
 
-from benchmarks.common import as_a_user_runs  # noqa: E402
+from benchmarks.common import as_a_user_runs, floats, ints, names  # noqa: E402
 from benchmarks.generic_suite.baselines import pdvi, svi_methods  # noqa: E402
 from benchmarks.generic_suite.metrics import Scorer, at_seconds  # noqa: E402
 from benchmarks.generic_suite.models import Problem, make_problem  # noqa: E402
@@ -51,21 +51,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", default="logreg,scale", help=f"comma list from {MODELS}")
-    parser.add_argument("--seeds", default="0,1,2", help="comma list of seeds")
+    parser.add_argument("--models", type=names, default="logreg,scale", help=f"comma list from {MODELS}")
+    parser.add_argument("--seeds", type=ints, default="0,1,2", help="comma list of seeds")
     parser.add_argument("--budget-seconds", type=float, default=10.0, help="fitting CPU seconds per run")
-    parser.add_argument("--checkpoints", default="1,2.5,5,10", help="comma list of CPU seconds to report")
-    parser.add_argument("--svi-lrs", default="0.01,0.03,0.1", help="comma list of SVI+Adam rates")
+    parser.add_argument(
+        "--checkpoints", type=floats, default="1,2.5,5,10", help="comma list of CPU seconds to report"
+    )
+    parser.add_argument(
+        "--svi-lrs", type=floats, default="0.01,0.03,0.1", help="comma list of SVI+Adam rates"
+    )
     parser.add_argument("--decay-lr", type=float, default=0.1, help="SVI+Adam lr/(1+epoch/10); 0: none")
     parser.add_argument("--quick", action="store_true", help="the suite's quick sizes")
     args = parser.parse_args(argv)
-    args.models = [m for m in args.models.split(",") if m]
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
         parser.error(f"unknown models {unknown}; use names from {MODELS}")
-    args.seeds = [int(s) for s in args.seeds.split(",") if s]
-    args.checkpoints = [float(t) for t in args.checkpoints.split(",") if t]
-    args.svi_lrs = [float(lr) for lr in args.svi_lrs.split(",") if lr]
     return args
 
 

@@ -59,7 +59,7 @@ from pyro.infer.autoguide import (  # noqa: E402
 )
 from pyro.infer.autoguide.initialization import init_to_feasible  # noqa: E402
 
-from benchmarks.common import as_a_user_runs  # noqa: E402
+from benchmarks.common import as_a_user_runs, floats, ints, names  # noqa: E402
 from benchmarks.generic_suite.baselines import pdvi, svi_methods  # noqa: E402
 from benchmarks.generic_suite.metrics import at_seconds  # noqa: E402
 from benchmarks.generic_suite.models import (  # noqa: E402
@@ -80,22 +80,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--guides", default=",".join(GUIDES), help=f"comma list from {GUIDES}")
-    parser.add_argument("--seeds", default="0,1,2", help="comma list of seeds")
+    parser.add_argument("--guides", type=names, default=",".join(GUIDES), help=f"comma list from {GUIDES}")
+    parser.add_argument("--seeds", type=ints, default="0,1,2", help="comma list of seeds")
     parser.add_argument("--budget-seconds", type=float, default=20.0, help="fitting CPU seconds per run")
-    parser.add_argument("--checkpoints", default="1,2.5,5,10,20", help="comma list of CPU seconds to report")
-    parser.add_argument("--svi-lrs", default="0.003,0.01,0.03,0.1", help="comma list of SVI+Adam rates")
+    parser.add_argument(
+        "--checkpoints", type=floats, default="1,2.5,5,10,20", help="comma list of CPU seconds to report"
+    )
+    parser.add_argument(
+        "--svi-lrs", type=floats, default="0.003,0.01,0.03,0.1", help="comma list of SVI+Adam rates"
+    )
     parser.add_argument("--decay-lr", type=float, default=0.1, help="SVI+Adam lr/(1+epoch/10); 0: none")
     parser.add_argument("--num-data", type=int, default=None, help="the first rows only (tests)")
     parser.add_argument("--logreg", action="store_true", help="the suite's logistic regression (docstring)")
     args = parser.parse_args(argv)
-    args.guides = [g for g in args.guides.split(",") if g]
     unknown = [g for g in args.guides if g not in GUIDES]
     if unknown:
         parser.error(f"unknown guides {unknown}; use names from {GUIDES}")
-    args.seeds = [int(s) for s in args.seeds.split(",") if s]
-    args.checkpoints = [float(t) for t in args.checkpoints.split(",") if t]
-    args.svi_lrs = [float(lr) for lr in args.svi_lrs.split(",") if lr]
     return args
 
 

@@ -185,7 +185,9 @@ class PDVI(StepSizeUpkeep):
         ``"auto"`` (default) solves with a copy of the user's ELBO that draws vectorized
         particles when the user's ELBO does not vectorize several (Pyro's default draws one):
         as many as cost little, between 2 and 64, counted at set-up
-        (:func:`~pyro_pdvi.infer.particles.affordable_particles`); else with the user's ELBO.
+        (:func:`~pyro_pdvi.infer.particles.affordable_particles`), and at least two per dimension
+        of a full-covariance site whose covariance the fixed point sets (up to
+        :data:`MAX_WHITENED_PARTICLES`; ``scale_update``); else with the user's ELBO.
         An even number sets them; ``None`` solves with the user's ELBO as it is. Where the
         model cannot take vectorized particles (it raises, or counts a term once per particle:
         checked at the first step), they are drawn in a loop, 8 for ``"auto"``, with a warning.
