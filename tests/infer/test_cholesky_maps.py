@@ -59,6 +59,23 @@ def test_the_triangular_system_gives_the_symmetric_matrix_exactly():
     assert torch.allclose(recovered, symmetric, rtol=0, atol=1e-12)
 
 
+def test_the_triangular_system_is_solved_at_a_larger_ill_conditioned_site():
+    """The closed form at 40 dimensions, the Cholesky factor of a covariance whose eigenvalues span
+    1e-4 to 1e4, one ``L`` broadcast over three ``R`` whose upper triangles hold large values that
+    must be ignored: ``H`` to 1e-12 relative (measured: 2.5e-14; the column-by-column solve that the
+    closed form replaced, 6.3e-15), exactly symmetric."""
+    generator = torch.Generator().manual_seed(2)
+    square = torch.randn(3, 40, 40, generator=generator, dtype=torch.float64)
+    symmetric = square @ square.mT
+    rotation, _ = torch.linalg.qr(torch.randn(40, 40, generator=generator, dtype=torch.float64))
+    spectrum = torch.logspace(-4, 4, 40, dtype=torch.float64)
+    cholesky = torch.linalg.cholesky(rotation @ torch.diag(spectrum) @ rotation.T)
+    ignored = 1e6 * torch.randn(3, 40, 40, generator=generator, dtype=torch.float64).triu(1)
+    recovered = symmetric_from_lower_product((symmetric @ cholesky).tril() + ignored, cholesky)
+    assert torch.equal(recovered, recovered.mT)
+    assert float((recovered - symmetric).norm() / symmetric.norm()) < 1e-12
+
+
 def _set_up(guide):
     """The guide's map, layout and ``lambda_0`` on the first block (its params moved off the start)."""
     guide(BLOCKS[0])
