@@ -81,6 +81,8 @@ PDVI_CONFIGS: dict[str, dict] = {
     # The natural rule's constant below its default 1 (13n: PPCA's first seconds gain, the
     # scale and logistic regressions' means lose; not the default).
     "natural0.5": {"eta": AutoStepSize(scale=0.5)},
+    # The rule's constant 1 where the defaults take NATURAL_SCALE_WITH_LOCALS (a latent per datum).
+    "natural1": {"eta": AutoStepSize(scale=1.0)},
     "natural0.25": {"eta": AutoStepSize(scale=0.25)},
     "natural0.125": {"eta": AutoStepSize(scale=0.125)},
     # ... and above it (13zb: what the quadratic model of benchmarks/consensus_rate.py predicts).
