@@ -8,6 +8,7 @@ import subprocess
 import sys
 import zipfile
 
+import pyro
 import pytest
 import torch
 
@@ -616,3 +617,41 @@ def test_full_covariance_logreg_tiny():
     rows = module.main(module.parse_args([*args, "--svi-lrs", "0.03", "--decay-lr", "0"]))
     assert [r["method"] for r in rows] == ["SVI Adam lr=0.03", "PDVI defaults", "PDVI scale_pd"]
     assert all(math.isfinite(r["neg_elbo@0.3"]) for r in rows)
+
+
+def test_reduced_hessian_of_a_quadratic_model_is_its_schur_complement():
+    """The hierarchical toy (mu global, theta_i a latent per datum) is quadratic in the means, so
+    at any point and noise (antithetic pairs cancel the means' cross terms with the local scales)
+    the Hessian in mu's mean with every theta_i's mean at its optimum is N / (tau^2 + sigma^2) +
+    1 / s0^2, and with them held N / tau^2 + 1 / s0^2: what the block-by-block Schur complement
+    must sum to, whatever rows the epoch left."""
+    from pyro.infer import Trace_ELBO
+
+    from pyro_pdvi import PDVI
+    from tests.toy_models import Hierarchical
+
+    experiment = load_script(BENCHMARKS / "reduced_hessian.py")
+    problem = Hierarchical(num_data=30, num_blocks=3)
+    optim = pyro.optim.Adam({"lr": 0.1})
+    algo = PDVI(problem.model, problem.guide, optim, Trace_ELBO(), blocks=problem.blocks)
+    for block in problem.blocks:
+        algo.step(block)
+    coordinate = torch.arange(algo.layout.size)[algo.layout.slices["mu_loc"]]
+    reduced, fixed, worst = 0.0, 0.0, 0.0
+    for b in range(len(problem.blocks)):
+        block_reduced, block_fixed, separability = experiment.block_reduced_hessian(
+            algo, b, coordinate, b, (problem.blocks[b],)
+        )
+        reduced, fixed, worst = reduced + block_reduced, fixed + block_fixed, max(worst, separability)
+    prior = 1 / problem.s0**2
+    assert float(reduced) == pytest.approx(problem.N / (problem.tau**2 + problem.sigma**2) + prior, rel=1e-9)
+    assert float(fixed) == pytest.approx(problem.N / problem.tau**2 + prior, rel=1e-9)
+    assert worst < 1e-12
+
+
+def test_reduced_hessian_tiny():
+    """The experiment on the suite's quick PPCA: a symmetric estimate, rows separable by datum."""
+    experiment = load_script(BENCHMARKS / "reduced_hessian.py")
+    result = experiment.main(experiment.parse_args(["--quick", "--epochs", "1", "--coordinates", "6"]))
+    assert result["eigenvalues"].shape == result["exact_eigenvalues"].shape == (6,)
+    assert bool(torch.isfinite(result["eigenvalues"]).all()) and result["separability"] < 1e-5
