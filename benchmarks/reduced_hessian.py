@@ -15,16 +15,23 @@ datum), the reduced Hessian is the Schur complement
 
 where ``H_pp`` is block diagonal, one ``r x r`` block per datum (a datum's rows meet other data
 only through the globals): its blocks come from ``r`` Hessian products, direction ``e_k`` in every
-datum's row at once. :func:`block_reduced_hessian` checks that with one random direction (the
+datum's row at once. :class:`BlockSchurComplement` checks that with one random direction (the
 separability error printed), solves each datum's block (eigenvalues clamped at 1e-6 of the
 largest), and takes ``H_red`` on the chosen global coordinates from two batched products per
 coordinate. Summed over the blocks it is compared with the exact reduced Hessian of
 :class:`benchmarks.generic_suite.references.PPCAReduced` at the same ``lambda_0`` (``q(z)`` exact
-given ``q(W)``, float64), both scaled by the diagonal of PDVI's locals-fixed Hessian (``S^-1/2 H
-S^-1/2``, the units of the natural rule's step sizes): the smallest eigenvalues, and the principal
-cosines between the two negative subspaces. ::
+given ``q(W)``, float64), both scaled by the diagonal ``S`` of PDVI's locals-fixed Hessian
+(``S^-1/2 H S^-1/2``): the smallest eigenvalues, and the principal cosines between the two
+negative subspaces.
+
+With ``--lanczos-iterations`` and ``--lanczos-blocks``, also what an escape could afford instead
+of the full matrix: :func:`lanczos` on the sum over that many random blocks (scaled up to all of
+them), one product per iteration, and how close its most negative directions come to the full
+estimate's. ::
 
     python benchmarks/reduced_hessian.py --seed 0 --epochs 30
+    python benchmarks/reduced_hessian.py --seed 0 --epochs 30 --lanczos-iterations 20,40 \\
+        --lanczos-blocks 8,40
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -40,6 +48,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
+from benchmarks.common import ints  # noqa: E402
 from benchmarks.generic_suite.baselines import PDVI_CONFIGS, pdvi  # noqa: E402
 from benchmarks.generic_suite.metrics import Scorer  # noqa: E402
 from benchmarks.generic_suite.models import make_problem  # noqa: E402
@@ -66,74 +75,131 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--coordinates", type=int, default=None, help="the site's first this many coordinates only"
     )
+    parser.add_argument(
+        "--lanczos-iterations", type=ints, default=[], help="Lanczos runs of these many iterations (list)"
+    )
+    parser.add_argument(
+        "--lanczos-blocks", type=ints, default=[], help="...each on this many random blocks, scaled up (list)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     return parser.parse_args(argv)
+
+
+class BlockSchurComplement:
+    """Block ``block``'s Hessian at ``lambda_0`` and its current local rows, at the noise of ``seed``,
+    with the locals eliminated (module docstring): products with directions in the globals.
+
+    :param algo: a PDVI that has taken steps (its param store holds the rows).
+    :param block: the block's index.
+    :param seed: the Monte Carlo noise of the block's objective.
+    :param args: the arguments of model and guide at the block's steps.
+    :attr separability: the relative error of the block-diagonal local Hessian on a random
+        direction (0 where the rows are separable by datum).
+    """
+
+    def __init__(self, algo: PDVI, block: int, seed: int, args: tuple = ()) -> None:
+        point = algo._consensus_params.detach()
+        self.size = point.numel()
+        indices = algo.partition.stacked(torch.tensor([block]), algo.device)
+        losses = algo._objective.bind(indices, [seed], args, {})
+        rows = algo._params.rows(indices)
+        names = list(rows)
+        self.num_data = indices.shape[-1]
+        widths = [rows[name][0, 0].numel() for name in names]
+        self.width = sum(widths)
+        local = torch.cat([rows[n].reshape(self.num_data, -1) for n in names], 1).reshape(-1)
+        self.joint = torch.cat([point, local]).detach().requires_grad_()
+
+        def split(flat: torch.Tensor) -> tuple[dict, dict]:
+            parts = flat[self.size :].reshape(self.num_data, self.width).split(widths, dim=1)
+            copies = {k: v.unsqueeze(0) for k, v in algo.layout.unflatten(flat[: self.size]).items()}
+            return copies, {n: part.reshape(rows[n].shape) for n, part in zip(names, parts)}
+
+        loss = losses(*split(self.joint)).sum()
+        (self.gradient,) = torch.autograd.grad(loss, self.joint, create_graph=True)
+        # Column k of every datum's local block, from one direction per k.
+        unit_rows = torch.eye(self.width).to(self.joint).unsqueeze(1).expand(-1, self.num_data, -1)
+        _, columns = self.products(unit_rows, None)
+        local_blocks = columns.permute(1, 2, 0)  # (data, row, column)
+        local_blocks = (local_blocks + local_blocks.mT) / 2
+        probe = torch.randn(1, self.num_data, self.width, generator=torch.Generator().manual_seed(seed))
+        _, exact = self.products(probe.to(self.joint), None)
+        blockwise = (local_blocks @ probe[0].to(self.joint).unsqueeze(-1)).squeeze(-1)
+        self.separability = float((exact[0] - blockwise).norm() / exact[0].norm())
+        values, vectors = torch.linalg.eigh(local_blocks)
+        largest = values.amax(-1, keepdim=True).clamp(min=torch.finfo(values.dtype).tiny)
+        floor = LOCAL_EIGENVALUE_FLOOR * largest
+        self.local_inverse = vectors @ torch.diag_embed(1 / values.maximum(floor)) @ vectors.mT
+
+    def products(
+        self, local_directions: torch.Tensor | None, global_directions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The joint Hessian times directions given by their global part ``(m, P)`` and local part
+        ``(m, data, r)`` (either may be ``None``: zero); the products' two parts alike."""
+        count = len(local_directions if local_directions is not None else global_directions)
+        directions = self.joint.new_zeros(count, self.joint.numel())
+        if global_directions is not None:
+            directions[:, : self.size] = global_directions
+        if local_directions is not None:
+            directions[:, self.size :] = local_directions.reshape(count, -1)
+        result = hessian_products(self.gradient, self.joint, directions)
+        return result[:, : self.size], result[:, self.size :].reshape(count, self.num_data, self.width)
+
+    def reduced(
+        self, directions: torch.Tensor, coordinates: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(H_red V, H_ll V)`` on ``coordinates`` for directions ``V`` there, ``(m, k)`` each."""
+        embedded = self.joint.new_zeros(len(directions), self.size)
+        embedded[:, coordinates] = directions.to(self.joint)
+        globals_part, locals_part = self.products(None, embedded)
+        solved = (self.local_inverse.unsqueeze(0) @ locals_part.unsqueeze(-1)).squeeze(-1)  # H_pp^-1 H_pl v
+        coupling, _ = self.products(solved, None)
+        fixed = globals_part[:, coordinates]
+        return fixed - coupling[:, coordinates], fixed
 
 
 def block_reduced_hessian(
     algo: PDVI, block: int, coordinates: torch.Tensor, seed: int, args: tuple = ()
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Block ``block``'s reduced Hessian and its locals-fixed Hessian on ``coordinates`` of
-    ``lambda_0``, at its current local rows and the noise of ``seed`` (module docstring).
+    ``lambda_0`` (:class:`BlockSchurComplement` with the unit vectors there).
 
-    :param algo: a PDVI that has taken steps (its param store holds the rows).
-    :param block: the block's index.
-    :param coordinates: flat global coordinates, ``(k,)``.
-    :param seed: the Monte Carlo noise of the block's objective.
-    :param args: the arguments of model and guide at the block's steps.
-    :returns: ``(H_red, H_ll)``, each ``(k, k)``, and the relative error of the block-diagonal
-        local Hessian on a random direction (0 where the rows are separable by datum).
+    :returns: ``(H_red, H_ll)``, each ``(k, k)``, and the separability error.
     """
-    point = algo._consensus_params.detach()
-    size = point.numel()
-    indices = algo.partition.stacked(torch.tensor([block]), algo.device)
-    losses = algo._objective.bind(indices, [seed], args, {})
-    rows = algo._params.rows(indices)
-    names = list(rows)
-    num_data = indices.shape[-1]
-    widths = [rows[name][0, 0].numel() for name in names]
-    width = sum(widths)
-    joint = torch.cat([point, torch.cat([rows[n].reshape(num_data, -1) for n in names], 1).reshape(-1)])
-    joint = joint.detach().requires_grad_()
+    schur = BlockSchurComplement(algo, block, seed, args)
+    reduced, fixed = schur.reduced(torch.eye(len(coordinates)), coordinates)
+    return reduced, fixed, schur.separability
 
-    def split(flat: torch.Tensor) -> tuple[dict, dict]:
-        local = flat[size:].reshape(num_data, width).split(widths, dim=1)
-        copies = {k: v.unsqueeze(0) for k, v in algo.layout.unflatten(flat[:size]).items()}
-        return copies, {n: part.reshape(rows[n].shape) for n, part in zip(names, local)}
 
-    (gradient,) = torch.autograd.grad(losses(*split(joint)).sum(), joint, create_graph=True)
+def lanczos(
+    apply: Callable[[torch.Tensor], torch.Tensor], dimension: int, iterations: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ritz values (ascending) and vectors ``(dimension, m)`` of a symmetric operator after
+    ``iterations`` Lanczos steps from a random start, fully reorthogonalised (float64).
 
-    def products(local_directions: torch.Tensor | None, global_directions: torch.Tensor | None):
-        """``H`` times directions given by their global and local parts, each ``(m, ...)``."""
-        count = len(local_directions if local_directions is not None else global_directions)
-        directions = joint.new_zeros(count, joint.numel())
-        if global_directions is not None:
-            directions[:, :size] = global_directions
-        if local_directions is not None:
-            directions[:, size:] = local_directions.reshape(count, -1)
-        result = hessian_products(gradient, joint, directions)
-        return result[:, :size], result[:, size:].reshape(count, num_data, width)
-
-    # Column k of every datum's local block, from one direction per k.
-    unit_rows = torch.eye(width).to(joint).unsqueeze(1).expand(width, num_data, width)
-    _, columns = products(unit_rows, None)
-    local_blocks = columns.permute(1, 2, 0)  # (data, row, column)
-    local_blocks = (local_blocks + local_blocks.mT) / 2
-    probe = torch.randn(1, num_data, width, generator=torch.Generator().manual_seed(seed)).to(joint)
-    _, exact = products(probe, None)
-    blockwise = (local_blocks @ probe[0].unsqueeze(-1)).squeeze(-1)
-    separability = float((exact[0] - blockwise).norm() / exact[0].norm())
-    values, vectors = torch.linalg.eigh(local_blocks)
-    floor = LOCAL_EIGENVALUE_FLOOR * values.amax(-1, keepdim=True).clamp(min=torch.finfo(values.dtype).tiny)
-    inverse = vectors @ torch.diag_embed(1 / values.maximum(floor)) @ vectors.mT
-
-    unit_globals = torch.zeros(len(coordinates), size).to(joint)
-    unit_globals[torch.arange(len(coordinates)), coordinates] = 1.0
-    globals_part, locals_part = products(None, unit_globals)
-    solved = (inverse.unsqueeze(0) @ locals_part.unsqueeze(-1)).squeeze(-1)  # H_pp^-1 H_pl e_j
-    coupling, _ = products(solved, None)
-    fixed = globals_part[:, coordinates]
-    return fixed - coupling[:, coordinates], fixed, separability
+    :param apply: ``v -> A v`` for ``v`` of shape ``(dimension,)``.
+    """
+    basis = torch.zeros(dimension, iterations, dtype=torch.float64)
+    vector = torch.randn(dimension, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    alphas, betas = [], []
+    for i in range(iterations):
+        basis[:, i] = vector / vector.norm()
+        image = apply(basis[:, i]).double()
+        alphas.append(float(basis[:, i] @ image))
+        image = image - basis[:, : i + 1] @ (basis[:, : i + 1].T @ image)
+        image = image - basis[:, : i + 1] @ (basis[:, : i + 1].T @ image)
+        beta = float(image.norm())
+        if i + 1 == iterations or beta < 1e-12:
+            basis = basis[:, : i + 1]
+            break
+        betas.append(beta)
+        vector = image
+    tridiagonal = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+    if betas:
+        off = torch.tensor(betas, dtype=torch.float64)
+        tridiagonal += torch.diag(off, 1) + torch.diag(off, -1)
+    values, small = torch.linalg.eigh(tridiagonal)
+    return values, basis @ small
 
 
 def scaled_spectrum(matrix: torch.Tensor, diagonal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +207,44 @@ def scaled_spectrum(matrix: torch.Tensor, diagonal: torch.Tensor) -> tuple[torch
     matrix, scale = matrix.double(), diagonal.double().clamp(min=1e-300).sqrt()
     matrix = (matrix + matrix.T) / 2
     return torch.linalg.eigh(matrix / torch.outer(scale, scale))
+
+
+def lanczos_estimate(
+    algo: PDVI,
+    blocks: list[torch.Tensor],
+    coordinates: torch.Tensor,
+    diagonal: torch.Tensor,
+    full_vectors: torch.Tensor,
+    num_blocks: int,
+    iterations: int,
+    seed: int,
+) -> dict:
+    """The most negative directions of the scaled reduced Hessian by Lanczos on ``num_blocks``
+    random blocks (their sum times ``n / num_blocks``), against the full estimate's: its CPU time
+    (the blocks' graphs and local blocks included), the three most negative Ritz values, and the
+    principal cosines between the Ritz vectors of the three and the full estimate's three most
+    negative eigenvectors (``full_vectors``, ascending)."""
+    start = time.process_time()
+    chosen = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))[:num_blocks].tolist()
+    schurs = [BlockSchurComplement(algo, b, seed + b, (blocks[b],)) for b in chosen]
+    scale = diagonal.double().clamp(min=1e-300).rsqrt()
+    weight = len(blocks) / len(chosen)
+
+    def apply(vector: torch.Tensor) -> torch.Tensor:
+        direction = (scale * vector).unsqueeze(0)
+        return weight * scale * sum(schur.reduced(direction, coordinates)[0][0].double() for schur in schurs)
+
+    values, ritz = lanczos(apply, len(coordinates), iterations, seed)
+    seconds = time.process_time() - start
+    cosines = torch.linalg.svdvals(ritz[:, :3].T @ full_vectors[:, :3].double())
+    row = {"blocks": len(chosen), "iterations": iterations, "seconds": seconds, "values": values[:3]}
+    row["cosines"] = cosines
+    shown = " ".join(f"{float(v):.1e}" for v in values[:3])
+    print(
+        f"Lanczos, {iterations} iterations on {len(chosen)} blocks: {seconds:.1f} CPU s, most negative "
+        f"{shown}, cosines with the full estimate's " + ", ".join(f"{float(c):.3f}" for c in cosines)
+    )
+    return row
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -186,7 +290,15 @@ def main(args: argparse.Namespace) -> dict:
     if cosines is not None:
         listed = ", ".join(f"{float(c):.3f}" for c in cosines)
         print(f"principal cosines of the {negative} negative directions: {listed}")
+    lanczos_rows = [
+        lanczos_estimate(
+            algo, problem.blocks, coordinates, fixed.diagonal(), vectors, blocks, iterations, args.seed
+        )
+        for blocks in args.lanczos_blocks
+        for iterations in args.lanczos_iterations
+    ]
     return {
+        "lanczos": lanczos_rows,
         "elbo_gap": gap,
         "seconds": seconds,
         "separability": worst,

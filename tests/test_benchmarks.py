@@ -650,8 +650,26 @@ def test_reduced_hessian_of_a_quadratic_model_is_its_schur_complement():
 
 
 def test_reduced_hessian_tiny():
-    """The experiment on the suite's quick PPCA: a symmetric estimate, rows separable by datum."""
+    """The experiment on the suite's quick PPCA: rows separable by datum, and a Lanczos run on all
+    the blocks for as many iterations as coordinates finds the full estimate's eigenvalues."""
     experiment = load_script(BENCHMARKS / "reduced_hessian.py")
-    result = experiment.main(experiment.parse_args(["--quick", "--epochs", "1", "--coordinates", "6"]))
+    options = ["--quick", "--epochs", "1", "--coordinates", "6", "--lanczos-iterations", "6"]
+    result = experiment.main(experiment.parse_args([*options, "--lanczos-blocks", "10"]))
     assert result["eigenvalues"].shape == result["exact_eigenvalues"].shape == (6,)
     assert bool(torch.isfinite(result["eigenvalues"]).all()) and result["separability"] < 1e-5
+    (row,) = result["lanczos"]
+    assert torch.allclose(row["values"], result["eigenvalues"][:3], rtol=1e-4, atol=1e-6)
+
+
+def test_lanczos_finds_the_most_negative_eigenvalues():
+    """On a symmetric matrix with three negative eigenvalues well apart from the rest, 25
+    iterations in 60 dimensions give them to 1e-8 and their eigenvectors (cosines above 1 - 1e-8)."""
+    experiment = load_script(BENCHMARKS / "reduced_hessian.py")
+    rotation, _ = torch.linalg.qr(
+        torch.randn(60, 60, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    )
+    spectrum = torch.cat([torch.tensor([-3.0, -2.0, -1.0], dtype=torch.float64), torch.linspace(1, 2, 57)])
+    matrix = rotation @ torch.diag(spectrum) @ rotation.T
+    values, vectors = experiment.lanczos(lambda v: matrix @ v, 60, 25, seed=1)
+    assert torch.allclose(values[:3], spectrum[:3], atol=1e-8)
+    assert bool((torch.linalg.svdvals(vectors[:, :3].T @ rotation[:, :3]) > 1 - 1e-8).all())
