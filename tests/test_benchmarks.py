@@ -673,3 +673,14 @@ def test_lanczos_finds_the_most_negative_eigenvalues():
     values, vectors = experiment.lanczos(lambda v: matrix @ v, 60, 25, seed=1)
     assert torch.allclose(values[:3], spectrum[:3], atol=1e-8)
     assert bool((torch.linalg.svdvals(vectors[:, :3].T @ rotation[:, :3]) > 1 - 1e-8).all())
+
+
+def test_saddle_escape_tiny():
+    """The escape on the suite's quick PPCA after 3 epochs: the reduced Hessian has negative
+    directions there, the line search takes a step, and the ELBO gap falls with it."""
+    experiment = load_script(BENCHMARKS / "saddle_escape.py")
+    options = ["--quick", "--epochs-before", "3", "--epochs-after", "1", "--hessian", "lanczos"]
+    options += ["--lanczos-iterations", "10", "--steps", "0.1,1", "--rounds", "1", "--inner-steps", "3"]
+    rows = experiment.main(experiment.parse_args(options))
+    before, escape, after = (next(r for r in rows if r["stage"] == s) for s in ("before", "escape", "after"))
+    assert escape["elbo_gap"] < 0.8 * before["elbo_gap"] and math.isfinite(after["elbo_gap"])
