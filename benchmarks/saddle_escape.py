@@ -76,7 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--inner-steps", type=int, default=20, help="evaluations of a trial point's local solves"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.epochs_before < 1:
+        parser.error("--epochs-before must be at least 1: the escape moves a state that every block has made")
+    return args
 
 
 def negative_directions(
