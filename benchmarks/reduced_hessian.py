@@ -209,6 +209,19 @@ def scaled_spectrum(matrix: torch.Tensor, diagonal: torch.Tensor) -> tuple[torch
     return torch.linalg.eigh(matrix / torch.outer(scale, scale))
 
 
+def scaled_reduced_products(
+    schurs: list[BlockSchurComplement], coordinates: torch.Tensor, scale: torch.Tensor, weight: float = 1.0
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``v -> weight S^1/2 (sum_b H_red,b) S^1/2 v`` on ``coordinates`` (``S^1/2 = diag(scale)``),
+    float64: the operator that :func:`lanczos` takes."""
+
+    def apply(vector: torch.Tensor) -> torch.Tensor:
+        direction = (scale * vector).unsqueeze(0)
+        return weight * scale * sum(schur.reduced(direction, coordinates)[0][0].double() for schur in schurs)
+
+    return apply
+
+
 def lanczos_estimate(
     algo: PDVI,
     blocks: list[torch.Tensor],
@@ -228,12 +241,7 @@ def lanczos_estimate(
     chosen = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))[:num_blocks].tolist()
     schurs = [BlockSchurComplement(algo, b, seed + b, (blocks[b],)) for b in chosen]
     scale = diagonal.double().clamp(min=1e-300).rsqrt()
-    weight = len(blocks) / len(chosen)
-
-    def apply(vector: torch.Tensor) -> torch.Tensor:
-        direction = (scale * vector).unsqueeze(0)
-        return weight * scale * sum(schur.reduced(direction, coordinates)[0][0].double() for schur in schurs)
-
+    apply = scaled_reduced_products(schurs, coordinates, scale, len(blocks) / len(chosen))
     values, ritz = lanczos(apply, len(coordinates), iterations, seed)
     seconds = time.process_time() - start
     cosines = torch.linalg.svdvals(ritz[:, :3].T @ full_vectors[:, :3].double())
@@ -258,6 +266,8 @@ def main(args: argparse.Namespace) -> dict:
         for b in blocks if epoch == 0 else torch.randperm(len(problem.blocks), generator=order).tolist():
             algo.step(problem.blocks[b])
     gap = scorer()["elbo_gap"]
+    if args.site not in algo.layout.slices:
+        raise ValueError(f"--site {args.site!r} is not a global site; use one of {list(algo.layout.slices)}")
     coordinates = torch.arange(algo.layout.size)[algo.layout.slices[args.site]][: args.coordinates]
 
     start = time.process_time()

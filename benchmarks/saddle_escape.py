@@ -46,7 +46,12 @@ from benchmarks.generic_suite.metrics import Scorer  # noqa: E402
 from benchmarks.generic_suite.models import make_problem  # noqa: E402
 from benchmarks.generic_suite.references import compute_reference  # noqa: E402
 from benchmarks.generic_suite.runner import common_start  # noqa: E402
-from benchmarks.reduced_hessian import BlockSchurComplement, lanczos  # noqa: E402
+from benchmarks.reduced_hessian import (  # noqa: E402
+    BlockSchurComplement,
+    lanczos,
+    scaled_reduced_products,
+    scaled_spectrum,
+)
 from pyro_pdvi import PDVI, GenericSolver  # noqa: E402
 
 #: The blocks' noise seeds of the line search (one fixed noise per block, common to every trial).
@@ -95,18 +100,13 @@ def negative_directions(
         unit = torch.eye(len(coordinates))
         reduced, fixed = (sum(parts) for parts in zip(*(s.reduced(unit, coordinates) for s in schurs)))
         scale = fixed.diagonal().double().clamp(min=1e-300).rsqrt()
-        matrix = (reduced + reduced.T).double() / 2
-        values, vectors = torch.linalg.eigh(scale[:, None] * matrix * scale[None, :])
+        values, vectors = scaled_spectrum(reduced, fixed.diagonal())
     else:
         if args.scale == "fisher":
             scale = algo._step_sizes.fisher[coordinates].double().clamp(min=1e-300).rsqrt()
         else:
             scale = algo._state.step_sizes[coordinates].double().sqrt()
-
-        def apply(vector: torch.Tensor) -> torch.Tensor:
-            direction = (scale * vector).unsqueeze(0)
-            return scale * sum(s.reduced(direction, coordinates)[0][0].double() for s in schurs)
-
+        apply = scaled_reduced_products(schurs, coordinates, scale)
         values, vectors = lanczos(apply, len(coordinates), args.lanczos_iterations, seed)
     directions = [scale * vectors[:, j] for j in range(int((values < 0).sum()))]
     return [(d / d.norm()).float() for d in directions], values
