@@ -172,15 +172,24 @@ def block_reduced_hessian(
 
 
 def lanczos(
-    apply: Callable[[torch.Tensor], torch.Tensor], dimension: int, iterations: int, seed: int
+    apply: Callable[[torch.Tensor], torch.Tensor],
+    dimension: int,
+    iterations: int,
+    seed: int,
+    start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ritz values (ascending) and vectors ``(dimension, m)`` of a symmetric operator after
-    ``iterations`` Lanczos steps from a random start, fully reorthogonalised (float64).
+    ``iterations`` Lanczos steps from ``start`` or a random start, fully reorthogonalised
+    (float64).
 
     :param apply: ``v -> A v`` for ``v`` of shape ``(dimension,)``.
+    :param start: the first Krylov vector (any norm); a draw of ``seed`` where ``None``.
     """
     basis = torch.zeros(dimension, iterations, dtype=torch.float64)
-    vector = torch.randn(dimension, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    if start is None:
+        vector = torch.randn(dimension, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    else:
+        vector = start.detach().double().clone()
     alphas, betas = [], []
     for i in range(iterations):
         basis[:, i] = vector / vector.norm()

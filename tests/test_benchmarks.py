@@ -675,6 +675,22 @@ def test_lanczos_finds_the_most_negative_eigenvalues():
     assert bool((torch.linalg.svdvals(vectors[:, :3].T @ rotation[:, :3]) > 1 - 1e-8).all())
 
 
+def test_lanczos_from_a_start_in_the_negative_subspace():
+    """Started in the span of the three negative eigenvectors, three Lanczos iterations give their
+    eigenvalues to 1e-10 (that span is invariant); from a random start they do not."""
+    experiment = load_script(BENCHMARKS / "reduced_hessian.py")
+    rotation, _ = torch.linalg.qr(
+        torch.randn(60, 60, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    )
+    spectrum = torch.cat([torch.tensor([-3.0, -2.0, -1.0], dtype=torch.float64), torch.linspace(1, 2, 57)])
+    matrix = rotation @ torch.diag(spectrum) @ rotation.T
+    start = rotation[:, :3] @ torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    values, _ = experiment.lanczos(lambda v: matrix @ v, 60, 3, seed=1, start=start)
+    assert torch.allclose(values, spectrum[:3], atol=1e-10)
+    values, _ = experiment.lanczos(lambda v: matrix @ v, 60, 3, seed=1)
+    assert not torch.allclose(values, spectrum[:3], atol=1e-2)
+
+
 def test_saddle_escape_tiny():
     """The escape on the suite's quick PPCA after 3 epochs: the reduced Hessian has negative
     directions there, the line search takes a step, and the ELBO gap falls with it."""
@@ -684,3 +700,27 @@ def test_saddle_escape_tiny():
     rows = experiment.main(experiment.parse_args(options))
     before, escape, after = (next(r for r in rows if r["stage"] == s) for s in ("before", "escape", "after"))
     assert escape["elbo_gap"] < 0.8 * before["elbo_gap"] and math.isfinite(after["elbo_gap"])
+
+
+def test_saddle_escape_from_the_drift_counts_its_seconds():
+    """Lanczos started from lambda_0's drift over the last two epochs also finds a direction that
+    lowers the ELBO gap; the clock holds PDVI's epochs and the escape, in order."""
+    experiment = load_script(BENCHMARKS / "saddle_escape.py")
+    options = ["--quick", "--epochs-before", "3", "--epochs-after", "1", "--hessian", "lanczos"]
+    options += ["--lanczos-iterations", "10", "--steps", "1", "--rounds", "1", "--inner-steps", "3"]
+    options += ["--lanczos-start", "drift", "--drift-lag", "2"]
+    rows = experiment.main(experiment.parse_args(options))
+    before, escape, after = (next(r for r in rows if r["stage"] == s) for s in ("before", "escape", "after"))
+    assert escape["elbo_gap"] < before["elbo_gap"]
+    assert 0 < before["cpu_seconds"] < before["cpu_seconds"] + escape["seconds"] < after["cpu_seconds"]
+
+
+def test_saddle_escape_refuses_a_drift_it_cannot_use():
+    """A drift longer than the epochs before the escape, or with the full Hessian (no Lanczos)."""
+    experiment = load_script(BENCHMARKS / "saddle_escape.py")
+    drift = ["--lanczos-start", "drift", "--drift-lag", "4"]
+    with pytest.raises(SystemExit):
+        experiment.parse_args(["--epochs-before", "3", "--hessian", "lanczos", *drift])
+    with pytest.raises(SystemExit):
+        experiment.parse_args(["--epochs-before", "5", "--hessian", "full", *drift])
+    experiment.parse_args(["--epochs-before", "5", "--hessian", "lanczos", *drift])
