@@ -1,5 +1,6 @@
-"""An experiment, not part of PDVI: PDVI's own estimate of the reduced objective's Hessian on
-PPCA, the locals eliminated, against the exact one, at the point where a default run crawls.
+"""An experiment: PDVI's own estimate of the reduced objective's Hessian on PPCA, the locals
+eliminated (:mod:`pyro_pdvi.infer.reduced_hessian`, which PDVI's saddle escape uses since 13zk),
+against the exact one, at the point where a run without the escape crawls.
 
 Why (``docs/benchmarks.md`` 13zj): PPCA's runs pass near saddles of the loadings' rotation. The
 reduced objective ``G(lambda) = sum_b min_phi f_b(lambda, phi)`` has negative curvature along a
@@ -15,14 +16,14 @@ datum), the reduced Hessian is the Schur complement
 
 where ``H_pp`` is block diagonal, one ``r x r`` block per datum (a datum's rows meet other data
 only through the globals): its blocks come from ``r`` Hessian products, direction ``e_k`` in every
-datum's row at once. :class:`BlockSchurComplement` checks that with one random direction (the
-separability error printed), solves each datum's block (eigenvalues clamped at 1e-6 of the
-largest), and takes ``H_red`` on the chosen global coordinates from two batched products per
-coordinate. Summed over the blocks it is compared with the exact reduced Hessian of
-:class:`benchmarks.generic_suite.references.PPCAReduced` at the same ``lambda_0`` (``q(z)`` exact
-given ``q(W)``, float64), both scaled by the diagonal ``S`` of PDVI's locals-fixed Hessian
-(``S^-1/2 H S^-1/2``): the smallest eigenvalues, and the principal cosines between the two
-negative subspaces.
+datum's row at once. :class:`~pyro_pdvi.infer.reduced_hessian.BlockSchurComplement` checks that
+with one random direction (the separability error printed), solves each datum's block
+(eigenvalues clamped at 1e-6 of the largest), and takes ``H_red`` on the chosen global
+coordinates from two batched products per coordinate. Summed over the blocks it is compared
+with the exact reduced Hessian of :class:`benchmarks.generic_suite.references.PPCAReduced` at
+the same ``lambda_0`` (``q(z)`` exact given ``q(W)``, float64), both scaled by the diagonal
+``S`` of PDVI's locals-fixed Hessian (``S^-1/2 H S^-1/2``): the smallest eigenvalues, and the
+principal cosines between the two negative subspaces.
 
 With ``--lanczos-iterations`` and ``--lanczos-blocks``, also what an escape could afford instead
 of the full matrix: :func:`lanczos` on the sum over that many random blocks (scaled up to all of
@@ -39,7 +40,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -55,10 +55,10 @@ from benchmarks.generic_suite.models import make_problem  # noqa: E402
 from benchmarks.generic_suite.references import PPCAReduced, compute_reference  # noqa: E402
 from benchmarks.generic_suite.runner import common_start  # noqa: E402
 from pyro_pdvi import PDVI  # noqa: E402
-from pyro_pdvi.infer.hessian_products import hessian_products  # noqa: E402
-
-#: A datum's local Hessian block is solved with its eigenvalues at least this fraction of its largest.
-LOCAL_EIGENVALUE_FLOOR = 1e-6
+from pyro_pdvi.infer.reduced_hessian import (  # noqa: E402
+    lanczos,
+    scaled_reduced_products,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,7 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the start and the block orders")
     parser.add_argument("--epochs", type=int, default=30, help="PDVI epochs before the measurement")
     parser.add_argument(
-        "--pdvi-config", default="defaults", choices=sorted(PDVI_CONFIGS), help="PDVI configuration"
+        "--pdvi-config",
+        default="no_escape",
+        choices=sorted(PDVI_CONFIGS),
+        help="PDVI configuration (the defaults without their saddle escape: the point where it crawls)",
     )
     parser.add_argument("--quick", action="store_true", help="the suite's quick PPCA (400 digits, 10 blocks)")
     parser.add_argument("--site", default="W_loc", help="the global site whose reduced Hessian is measured")
@@ -85,130 +88,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class BlockSchurComplement:
-    """Block ``block``'s Hessian at ``lambda_0`` and its current local rows, at the noise of ``seed``,
-    with the locals eliminated (module docstring): products with directions in the globals.
-
-    :param algo: a PDVI that has taken steps (its param store holds the rows).
-    :param block: the block's index.
-    :param seed: the Monte Carlo noise of the block's objective.
-    :param args: the arguments of model and guide at the block's steps.
-    :attr separability: the relative error of the block-diagonal local Hessian on a random
-        direction (0 where the rows are separable by datum).
-    """
-
-    def __init__(self, algo: PDVI, block: int, seed: int, args: tuple = ()) -> None:
-        point = algo._consensus_params.detach()
-        self.size = point.numel()
-        indices = algo.partition.stacked(torch.tensor([block]), algo.device)
-        losses = algo._objective.bind(indices, [seed], args, {})
-        rows = algo._params.rows(indices)
-        names = list(rows)
-        self.num_data = indices.shape[-1]
-        widths = [rows[name][0, 0].numel() for name in names]
-        self.width = sum(widths)
-        local = torch.cat([rows[n].reshape(self.num_data, -1) for n in names], 1).reshape(-1)
-        self.joint = torch.cat([point, local]).detach().requires_grad_()
-
-        def split(flat: torch.Tensor) -> tuple[dict, dict]:
-            parts = flat[self.size :].reshape(self.num_data, self.width).split(widths, dim=1)
-            copies = {k: v.unsqueeze(0) for k, v in algo.layout.unflatten(flat[: self.size]).items()}
-            return copies, {n: part.reshape(rows[n].shape) for n, part in zip(names, parts)}
-
-        loss = losses(*split(self.joint)).sum()
-        (self.gradient,) = torch.autograd.grad(loss, self.joint, create_graph=True)
-        # Column k of every datum's local block, from one direction per k.
-        unit_rows = torch.eye(self.width).to(self.joint).unsqueeze(1).expand(-1, self.num_data, -1)
-        _, columns = self.products(unit_rows, None)
-        local_blocks = columns.permute(1, 2, 0)  # (data, row, column)
-        local_blocks = (local_blocks + local_blocks.mT) / 2
-        probe = torch.randn(1, self.num_data, self.width, generator=torch.Generator().manual_seed(seed))
-        _, exact = self.products(probe.to(self.joint), None)
-        blockwise = (local_blocks @ probe[0].to(self.joint).unsqueeze(-1)).squeeze(-1)
-        self.separability = float((exact[0] - blockwise).norm() / exact[0].norm())
-        values, vectors = torch.linalg.eigh(local_blocks)
-        largest = values.amax(-1, keepdim=True).clamp(min=torch.finfo(values.dtype).tiny)
-        floor = LOCAL_EIGENVALUE_FLOOR * largest
-        self.local_inverse = vectors @ torch.diag_embed(1 / values.maximum(floor)) @ vectors.mT
-
-    def products(
-        self, local_directions: torch.Tensor | None, global_directions: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The joint Hessian times directions given by their global part ``(m, P)`` and local part
-        ``(m, data, r)`` (either may be ``None``: zero); the products' two parts alike."""
-        count = len(local_directions if local_directions is not None else global_directions)
-        directions = self.joint.new_zeros(count, self.joint.numel())
-        if global_directions is not None:
-            directions[:, : self.size] = global_directions
-        if local_directions is not None:
-            directions[:, self.size :] = local_directions.reshape(count, -1)
-        result = hessian_products(self.gradient, self.joint, directions)
-        return result[:, : self.size], result[:, self.size :].reshape(count, self.num_data, self.width)
-
-    def reduced(
-        self, directions: torch.Tensor, coordinates: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(H_red V, H_ll V)`` on ``coordinates`` for directions ``V`` there, ``(m, k)`` each."""
-        embedded = self.joint.new_zeros(len(directions), self.size)
-        embedded[:, coordinates] = directions.to(self.joint)
-        globals_part, locals_part = self.products(None, embedded)
-        solved = (self.local_inverse.unsqueeze(0) @ locals_part.unsqueeze(-1)).squeeze(-1)  # H_pp^-1 H_pl v
-        coupling, _ = self.products(solved, None)
-        fixed = globals_part[:, coordinates]
-        return fixed - coupling[:, coordinates], fixed
-
-
 def block_reduced_hessian(
     algo: PDVI, block: int, coordinates: torch.Tensor, seed: int, args: tuple = ()
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Block ``block``'s reduced Hessian and its locals-fixed Hessian on ``coordinates`` of
-    ``lambda_0`` (:class:`BlockSchurComplement` with the unit vectors there).
+    ``lambda_0`` (:class:`~pyro_pdvi.infer.reduced_hessian.BlockSchurComplement` with the unit
+    vectors there).
 
     :returns: ``(H_red, H_ll)``, each ``(k, k)``, and the separability error.
     """
-    schur = BlockSchurComplement(algo, block, seed, args)
+    schur = algo._block_schur(block, seed, args, {})
     reduced, fixed = schur.reduced(torch.eye(len(coordinates)), coordinates)
     return reduced, fixed, schur.separability
-
-
-def lanczos(
-    apply: Callable[[torch.Tensor], torch.Tensor],
-    dimension: int,
-    iterations: int,
-    seed: int,
-    start: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ritz values (ascending) and vectors ``(dimension, m)`` of a symmetric operator after
-    ``iterations`` Lanczos steps from ``start`` or a random start, fully reorthogonalised
-    (float64).
-
-    :param apply: ``v -> A v`` for ``v`` of shape ``(dimension,)``.
-    :param start: the first Krylov vector (any norm); a draw of ``seed`` where ``None``.
-    """
-    basis = torch.zeros(dimension, iterations, dtype=torch.float64)
-    if start is None:
-        vector = torch.randn(dimension, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    else:
-        vector = start.detach().double().clone()
-    alphas, betas = [], []
-    for i in range(iterations):
-        basis[:, i] = vector / vector.norm()
-        image = apply(basis[:, i]).double()
-        alphas.append(float(basis[:, i] @ image))
-        image = image - basis[:, : i + 1] @ (basis[:, : i + 1].T @ image)
-        image = image - basis[:, : i + 1] @ (basis[:, : i + 1].T @ image)
-        beta = float(image.norm())
-        if i + 1 == iterations or beta < 1e-12:
-            basis = basis[:, : i + 1]
-            break
-        betas.append(beta)
-        vector = image
-    tridiagonal = torch.diag(torch.tensor(alphas, dtype=torch.float64))
-    if betas:
-        off = torch.tensor(betas, dtype=torch.float64)
-        tridiagonal += torch.diag(off, 1) + torch.diag(off, -1)
-    values, small = torch.linalg.eigh(tridiagonal)
-    return values, basis @ small
 
 
 def scaled_spectrum(matrix: torch.Tensor, diagonal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,19 +107,6 @@ def scaled_spectrum(matrix: torch.Tensor, diagonal: torch.Tensor) -> tuple[torch
     matrix, scale = matrix.double(), diagonal.double().clamp(min=1e-300).sqrt()
     matrix = (matrix + matrix.T) / 2
     return torch.linalg.eigh(matrix / torch.outer(scale, scale))
-
-
-def scaled_reduced_products(
-    schurs: list[BlockSchurComplement], coordinates: torch.Tensor, scale: torch.Tensor, weight: float = 1.0
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``v -> weight S^1/2 (sum_b H_red,b) S^1/2 v`` on ``coordinates`` (``S^1/2 = diag(scale)``),
-    float64: the operator that :func:`lanczos` takes."""
-
-    def apply(vector: torch.Tensor) -> torch.Tensor:
-        direction = (scale * vector).unsqueeze(0)
-        return weight * scale * sum(schur.reduced(direction, coordinates)[0][0].double() for schur in schurs)
-
-    return apply
 
 
 def lanczos_estimate(
@@ -248,7 +126,7 @@ def lanczos_estimate(
     negative eigenvectors (``full_vectors``, ascending)."""
     start = time.process_time()
     chosen = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))[:num_blocks].tolist()
-    schurs = [BlockSchurComplement(algo, b, seed + b, (blocks[b],)) for b in chosen]
+    schurs = [algo._block_schur(b, seed + b, (blocks[b],), {}) for b in chosen]
     scale = diagonal.double().clamp(min=1e-300).rsqrt()
     apply = scaled_reduced_products(schurs, coordinates, scale, len(blocks) / len(chosen))
     values, ritz = lanczos(apply, len(coordinates), iterations, seed)

@@ -1,15 +1,16 @@
-"""An experiment, not part of PDVI: an escape from a saddle of PPCA's reduced objective built from
-what PDVI has, then PDVI going on.
+"""An experiment: an escape from a saddle of PPCA's reduced objective built from what PDVI has,
+then PDVI going on, with knobs that PDVI's own escape (:mod:`pyro_pdvi.infer.saddle_escape`,
+since 13zk, on by default) fixes. Its runs use ``--pdvi-config no_escape``, PDVI without it.
 
 Why (``docs/benchmarks.md`` 13zj): PDVI's default run on PPCA stalls near a saddle of the
 loadings' rotation. An exact escape (the reduced Hessian of the benchmark's closed form) halved
 the ELBO gap at once, and PDVI went on from there to a gap 3.3x smaller after 30 more epochs.
 This script does the same from PDVI's own quantities:
 
-1. after ``--epochs-before`` epochs of PDVI's defaults (the suite's start and block orders), the
+1. after ``--epochs-before`` epochs of PDVI (the suite's start and block orders), the
    reduced Hessian on the global coordinates that the solves move (PPCA's ``W_loc``; the locals
    eliminated per datum:
-   :class:`benchmarks.reduced_hessian.BlockSchurComplement`), over every block, scaled: in full
+   :class:`pyro_pdvi.infer.reduced_hessian.BlockSchurComplement`), over every block, scaled: in full
    (``--hessian full``, scaled by its locals-fixed diagonal) or by ``--lanczos-iterations``
    Lanczos steps (``--hessian lanczos``, scaled by the guide's Fisher information, ``--scale
    fisher``, or by the step sizes, ``--scale step-sizes``);
@@ -23,7 +24,8 @@ for at most ``--rounds`` rounds, or until no negative curvature is left; then ``
 epochs of PDVI from its own state. Printed: the ELBO gap before, after each round and every 5
 epochs after, each with the CPU seconds of PDVI's epochs and the escape so far (the scoring
 against the reference left out), and each round's seconds by part. ``--rounds 0`` runs PDVI
-alone, for a comparison at equal CPU seconds. With ``--lanczos-start drift`` Lanczos starts from
+alone, for a comparison at equal CPU seconds (with ``--pdvi-config defaults``: PDVI with its own
+escape). With ``--lanczos-start drift`` Lanczos starts from
 ``lambda_0``'s displacement over the last ``--drift-lag`` epochs (13zk: it points mostly along
 the negative directions), and 20 iterations do what 60 from a random start did. ``--model
 odlogit`` measures what the check costs a model with a latent per datum and no saddle. ::
@@ -33,6 +35,8 @@ odlogit`` measures what the check costs a model with a latent per datum and no s
     python benchmarks/saddle_escape.py --seed 0 --epochs-before 20 --epochs-after 40 --hessian lanczos \
         --lanczos-start drift --drift-lag 10 --lanczos-iterations 20 --steps 1 --inner-steps 3 --rounds 2
     python benchmarks/saddle_escape.py --seed 0 --epochs-before 20 --epochs-after 60 --rounds 0
+    python benchmarks/saddle_escape.py --seed 0 --epochs-before 20 --epochs-after 40 --rounds 0 \
+        --pdvi-config defaults
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -50,18 +53,19 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from benchmarks.common import floats  # noqa: E402
-from benchmarks.generic_suite.baselines import pdvi  # noqa: E402
+from benchmarks.generic_suite.baselines import PDVI_CONFIGS, pdvi  # noqa: E402
 from benchmarks.generic_suite.metrics import Scorer  # noqa: E402
 from benchmarks.generic_suite.models import make_problem  # noqa: E402
 from benchmarks.generic_suite.references import compute_reference  # noqa: E402
 from benchmarks.generic_suite.runner import common_start  # noqa: E402
-from benchmarks.reduced_hessian import (  # noqa: E402
+from benchmarks.reduced_hessian import scaled_spectrum  # noqa: E402
+from pyro_pdvi import PDVI  # noqa: E402
+from pyro_pdvi.infer.reduced_hessian import (  # noqa: E402
     BlockSchurComplement,
     lanczos,
     scaled_reduced_products,
-    scaled_spectrum,
 )
-from pyro_pdvi import PDVI, GenericSolver  # noqa: E402
+from pyro_pdvi.infer.saddle_escape import TrialScorer, moved_coordinates  # noqa: E402
 
 #: The blocks' noise seeds of the line search (one fixed noise per block, common to every trial).
 TRIAL_SEED = 5000
@@ -76,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model", choices=("ppca", "odlogit"), default="ppca", help="a suite model with a latent per datum"
     )
     parser.add_argument("--quick", action="store_true", help="the suite's quick size")
+    parser.add_argument(
+        "--pdvi-config",
+        default="no_escape",
+        choices=sorted(PDVI_CONFIGS),
+        help="PDVI's configuration; 'defaults' checks for saddles itself (at epoch 20, then 40, ...)",
+    )
     parser.add_argument("--epochs-before", type=int, default=30, help="PDVI epochs before the escape")
     parser.add_argument("--epochs-after", type=int, default=30, help="PDVI epochs after it")
     parser.add_argument(
@@ -139,73 +149,12 @@ def negative_directions(
     return [(d / d.norm()).float() for d in directions], values
 
 
-def moved_coordinates(algo: PDVI) -> torch.Tensor:
-    """The global coordinates that the solves move: all but the scales held at their fixed point
-    (on PPCA, ``W_loc``)."""
-    moved = torch.ones(algo.layout.size, dtype=torch.bool)
-    for site, held in algo._held_coordinates().items():
-        moved[algo.layout.slices[site]] &= ~held.reshape(-1)
-    return torch.arange(algo.layout.size)[moved]
-
-
-class TrialScorer:
-    """The blocks' objectives summed at a trial ``lambda``, each block's rows carried along
-    ``-H_pp^-1 H_pl (lambda - lambda_0)`` and solved with ``inner_steps`` evaluations, at one
-    common noise per block."""
-
-    def __init__(
-        self, algo: PDVI, blocks: list, schurs: list[BlockSchurComplement], inner_steps: int
-    ) -> None:
-        self.algo, self.blocks, self.schurs = algo, blocks, schurs
-        self.point = algo._consensus_params.detach().clone()
-        self.solver = GenericSolver(inner_steps=inner_steps)
-        self.calls = 0
-
-    def __call__(self, trial: torch.Tensor) -> tuple[float, list]:
-        """The summed objective and every block's ``(indices, rows)`` there."""
-        self.calls += 1
-        total, solved = 0.0, []
-        copies = {k: v.unsqueeze(0) for k, v in self.algo.layout.unflatten(trial).items()}
-        for b, schur in enumerate(self.schurs):
-            problem = self.algo._problem(
-                torch.tensor([b]), [TRIAL_SEED + b], (self.blocks[b],), {}, consensus=trial
-            )
-            _, coupled = schur.products(None, (trial - self.point).unsqueeze(0))
-            moves = -(schur.local_inverse @ coupled[0].unsqueeze(-1)).squeeze(-1)  # (data, r)
-            names = list(problem.local)
-            widths = [problem.local[n][0, 0].numel() for n in names]
-            carried = {
-                n: problem.local[n] + part.reshape(problem.local[n].shape)
-                for n, part in zip(names, moves.split(widths, dim=1))
-            }
-            rows = self.solver.solve(replace(problem, local=carried)).local
-            with torch.no_grad():
-                total += float(problem.losses(copies, rows).sum())
-            solved.append((problem.indices, rows))
-        return total, solved
-
-
-def move_state(algo: PDVI, move: torch.Tensor, solved: list) -> None:
-    """``lambda_0`` and every copy moved by ``move``, the blocks' rows set to ``solved``; the duals
-    kept (no coupled coordinates: checked)."""
-    if algo._coupling is not None:
-        raise ValueError("the escape moves the state in the params' coordinates; this run has coupled ones")
-    state = algo._state
-    state.consensus += move
-    state.copies += move
-    state.copy_mean += move
-    state.visited_sum += move * state.num_visited
-    for indices, rows in solved:
-        algo._params.write_rows(indices, rows)
-    algo._write_consensus()
-
-
 def main(args: argparse.Namespace) -> list[dict]:
     torch.set_num_threads(args.threads)
     problem = make_problem(args.model, args.quick)
     scorer = Scorer(problem, compute_reference(problem))
     guide, order, first = common_start(problem, args.seed)
-    algo = pdvi("defaults").build(problem, guide).algo
+    algo = pdvi(args.pdvi_config).build(problem, guide).algo
     num_blocks = len(problem.blocks)
     rows: list[dict] = []
     consensus_by_epoch: list[torch.Tensor] = []
@@ -235,9 +184,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     seconds = 0.0  # the escape's CPU seconds, the scoring against the reference left out
     for round_ in range(args.rounds):
         round_start = time.process_time()
-        schurs = [
-            BlockSchurComplement(algo, b, args.seed + b, (problem.blocks[b],)) for b in range(num_blocks)
-        ]
+        schurs = [algo._block_schur(b, args.seed + b, (problem.blocks[b],), {}) for b in range(num_blocks)]
         built = time.process_time()
         directions, values = negative_directions(algo, schurs, coordinates, args, args.seed + round_, drift)
         curved = time.process_time()
@@ -252,7 +199,9 @@ def main(args: argparse.Namespace) -> list[dict]:
             clock[0] += curved - round_start
             print(f"no negative curvature left: {seconds:.0f} CPU s in all", flush=True)
             break
-        score = TrialScorer(algo, problem.blocks, schurs, args.inner_steps)
+        block_args = {b: ((problem.blocks[b],), {}) for b in range(num_blocks)}
+        trial_seeds = [TRIAL_SEED + b for b in range(num_blocks)]
+        score = TrialScorer(algo, schurs, block_args, trial_seeds, args.inner_steps)
         point = score.point
         best_value, solved = score(point)
         first_value, best = best_value, point
@@ -269,7 +218,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                         best_value, best, solved, step = value, trial, trial_rows, sign * length
             taken.append(step)
         searched = time.process_time()
-        move_state(algo, best - point, solved)
+        algo._translate(best - point, solved)
         gap = scorer()["elbo_gap"]
         seconds += searched - round_start
         clock[0] += searched - round_start

@@ -55,7 +55,9 @@ from .particles import (
     solve_loss,
 )
 from .problem import BlockProblem
+from .reduced_hessian import BlockSchurComplement
 from .run import RunResult, run_epochs
+from .saddle_escape import SaddleEscape, run_check
 from .safeguard import RisingObjectiveGuard
 from .scales import ScaleFixedPoint, find_scale_maps
 from .sites import FoundSites, GlobalLayout, find_sites, missing_subsample_message
@@ -313,6 +315,9 @@ class PDVI(StepSizeUpkeep):
         self._first_step_args: dict[int, tuple[tuple, dict]] = {}
         self._guard = RisingObjectiveGuard()
         self._stationarity = StationarityTest()
+        self._saddle = SaddleEscape()
+        # Every block's latest step arguments, for the saddle escape's checks (where it applies).
+        self._step_args: dict[int, tuple[tuple, dict]] = {}
         self._state: ConsensusState | None = None
         self._scales: ScaleFixedPoint | None = None
         self._held: dict[str, torch.Tensor] = {}
@@ -678,7 +683,78 @@ class PDVI(StepSizeUpkeep):
                 self._halve_after_refusal(error)
         self._update_scales(solved, held, args, kwargs)
         self._adapt_step_sizes(block_ids, epoch, args, kwargs)
+        self._escape_saddle_if_due(block_ids, args, kwargs)
         return loss
+
+    #: Check for saddles of the reduced objective where a model has a latent per datum, and
+    #: leave them (:mod:`~pyro_pdvi.infer.saddle_escape`); ``False`` turns it off.
+    escape_saddles = True
+
+    def _saddle_escape_blocker(self) -> str | None:
+        """Why the saddle escape does not apply to this run (``None``: it does)."""
+        if not self.escape_saddles:
+            return "off (PDVI.escape_saddles)"
+        if not any(site.name not in self._categorical_rows for site in self.local_sites):
+            return "no local rows that the solves fit"
+        if not isinstance(self.solver, GenericSolver) or not self._noisy_solve:
+            return "not the GenericSolver's Monte Carlo solve"
+        if self._shares_steps:
+            return "steps shared between processes"
+        if self._coupling is not None:
+            return "coupled or whitened coordinates"
+        if self._second_order is False:
+            return "no second derivatives through the model"
+        return None
+
+    def _escape_saddle_if_due(self, block_ids: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        """Keep the step's arguments and, at the end of an epoch where a check is due, run it
+        (:func:`~pyro_pdvi.infer.saddle_escape.run_check`) and record it in
+        ``diagnostics["saddle_escape"]``."""
+        blocker = self._saddle_escape_blocker()
+        if blocker is not None:
+            self._step_args.clear()
+            self.diagnostics["saddle_escape"] = blocker
+            return
+        if self._saddle.next_check is None:  # no check follows: the arguments are not kept
+            self._step_args.clear()
+            self.diagnostics["saddle_escape"] = self._saddle.checks
+            return
+        for b in block_ids.tolist():
+            self._step_args[b] = (args, kwargs)
+        num_blocks = len(self.partition)
+        epochs = self._block_visits // num_blocks
+        if (self._block_visits - len(block_ids)) // num_blocks < epochs:  # an epoch ended
+            if self._saddle.end_epoch(epochs, self._consensus_params) and len(self._step_args) == num_blocks:
+                try:
+                    with self._objective.one_off():
+                        rounds = run_check(self, self._saddle, self._step_args, self._side_seed(-4 - epochs))
+                except RuntimeError as error:
+                    # No usable second derivative through the model, or a non-finite Hessian: a
+                    # round moves the state only once it is done, so the state is consistent.
+                    self._saddle.failed(epochs, f"{type(error).__name__}: {error}")
+                else:
+                    self._saddle.checked(epochs, rounds)
+        self.diagnostics["saddle_escape"] = self._saddle.checks
+
+    def _block_schur(self, b: int, seed: int, args: tuple, kwargs: dict) -> BlockSchurComplement:
+        """Block ``b``'s Hessian at ``lambda_0`` and its current rows, the locals eliminated, at
+        the noise of ``seed`` (:class:`~pyro_pdvi.infer.reduced_hessian.BlockSchurComplement`)."""
+        indices = self.partition.stacked(torch.tensor([b]), self.device)
+        losses = self._objective.bind(indices, [seed], args, kwargs)
+        return BlockSchurComplement(
+            losses, self.layout, self._consensus_params.detach(), self._params.rows(indices)
+        )
+
+    def _translate(self, move: torch.Tensor, solved: list[tuple[torch.Tensor, dict]]) -> None:
+        """Move ``lambda_0`` and every copy by ``move`` (params' coordinates, which are the
+        state's here), set the blocks' rows to ``solved``; the duals kept. The stationarity
+        test's last ``lambda_0`` moves with it: the jump is not a step of the iteration."""
+        self._state.translate(move)
+        if self._stationarity.previous is not None:
+            self._stationarity.previous += move.to(self._stationarity.previous)
+        for indices, rows in solved:
+            self._params.write_rows(indices, rows)
+        self._write_consensus()
 
     def _update_scales(
         self, solved: StepSolution, held: torch.Tensor | None, args: tuple, kwargs: dict
@@ -1277,6 +1353,7 @@ class PDVI(StepSizeUpkeep):
             "coupling": self._coupling.state_dict() if isinstance(self._coupling, Coupling) else None,
             "whitening": self._coupling.state_dict() if isinstance(self._coupling, SiteWhitening) else None,
             "whitening_tried": self._whitening_tried,
+            "saddle_escape": self._saddle.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1314,6 +1391,8 @@ class PDVI(StepSizeUpkeep):
         every_block_measured = len(self._measured_blocks) == len(self.partition)
         self._whitening_tried = state.get("whitening_tried", every_block_measured)
         self._rng.set_state(state["rng_state"])
+        if "saddle_escape" in state:  # absent from checkpoints before the escape: it starts afresh
+            self._saddle.load_state_dict(state["saddle_escape"], self.device)
         # Absent from checkpoints before the scales' fixed point: it then starts afresh.
         if "scales" in state:
             if (state["scales"] is None) != (self._scales is None):
