@@ -18,7 +18,9 @@ This script does the same from PDVI's own quantities:
    point scored by the blocks' own objectives at one common noise, with every block's rows
    carried along ``-H_pp^-1 H_pl v`` and then solved with ``--inner-steps`` evaluations by PDVI's
    solver at that point;
-3. ``lambda_0``, every copy and the rows moved there (the duals kept);
+3. ``lambda_0``, every copy and the rows moved there, each block's dual by minus the change of
+   its gradient less the mean change, as PDVI's escape does since 13zm (``--keep-duals``: the
+   duals kept, as in 13zj-13zk);
 
 for at most ``--rounds`` rounds, or until no negative curvature is left; then ``--epochs-after``
 epochs of PDVI from its own state. Printed: the ELBO gap before, after each round and every 5
@@ -109,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="most rounds (0: PDVI alone, for comparison)")
     parser.add_argument(
         "--inner-steps", type=int, default=20, help="evaluations of a trial point's local solves"
+    )
+    parser.add_argument(
+        "--keep-duals", action="store_true", help="keep the duals across the jump (13zj-13zk's runs)"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args(argv)
@@ -217,8 +222,9 @@ def main(args: argparse.Namespace) -> list[dict]:
                     if value < best_value:
                         best_value, best, solved, step = value, trial, trial_rows, sign * length
             taken.append(step)
+        shift = None if args.keep_duals else score.dual_shift(best, solved, coordinates)
         searched = time.process_time()
-        algo._translate(best - point, solved)
+        algo._translate(best - point, solved, shift)
         gap = scorer()["elbo_gap"]
         seconds += searched - round_start
         clock[0] += searched - round_start

@@ -665,32 +665,56 @@ def test_saddle_escape_refuses_a_drift_it_cannot_use():
     experiment.parse_args(["--epochs-before", "5", "--hessian", "lanczos", *drift])
 
 
-def test_pdvi_escapes_the_quick_ppca_saddle_by_itself(monkeypatch):
-    """PDVI's own check (after 3 epochs here, its drift over 2) on the suite's quick PPCA finds
-    negative curvature, takes a step, and two epochs later the ELBO gap is below that of the same
-    run without the escape."""
+def quick_ppca_after_a_check(config: str) -> tuple[float, object, int | None]:
+    """The suite's quick PPCA after 5 epochs of PDVI in ``config``, its check after 3 (the drift
+    over 2): the ELBO gap, ``diagnostics["saddle_escape"]`` and the epoch of the next check."""
     from benchmarks.generic_suite.baselines import pdvi
     from benchmarks.generic_suite.metrics import Scorer
     from benchmarks.generic_suite.models import make_problem
     from benchmarks.generic_suite.references import compute_reference
     from benchmarks.generic_suite.runner import common_start
+
+    problem = make_problem("ppca", True)
+    scorer = Scorer(problem, compute_reference(problem))
+    guide, order, first = common_start(problem, 0)
+    algo = pdvi(config).build(problem, guide).algo
+    for epoch in range(5):
+        for b in first if epoch == 0 else torch.randperm(len(problem.blocks), generator=order).tolist():
+            algo.step(problem.blocks[b])
+    return scorer()["elbo_gap"], algo.diagnostics["saddle_escape"], algo._saddle.next_check
+
+
+@pytest.fixture
+def early_check(monkeypatch):
     from pyro_pdvi.infer import saddle_escape
 
     monkeypatch.setattr(saddle_escape, "FIRST_CHECK_EPOCH", 3)
     monkeypatch.setattr(saddle_escape, "DRIFT_EPOCHS", 2)
-    gaps, checks = {}, {}
-    for config in ("defaults", "no_escape"):
-        problem = make_problem("ppca", True)
-        scorer = Scorer(problem, compute_reference(problem))
-        guide, order, first = common_start(problem, 0)
-        algo = pdvi(config).build(problem, guide).algo
-        for epoch in range(5):
-            for b in first if epoch == 0 else torch.randperm(len(problem.blocks), generator=order).tolist():
-                algo.step(problem.blocks[b])
-        gaps[config], checks[config] = scorer()["elbo_gap"], algo.diagnostics["saddle_escape"]
-    (check,) = checks["defaults"]
-    assert check["epoch"] == 3 and check["rounds"][0].negative >= 1
+    return saddle_escape
+
+
+def test_pdvi_escapes_the_quick_ppca_saddle_by_itself(early_check):
+    """PDVI's own check on the suite's quick PPCA finds negative curvature, takes a step that
+    lowers the blocks' objective at their noise and at fresh noise, and two epochs later the ELBO
+    gap is below that of the same run without the escape."""
+    gap, checks, _ = quick_ppca_after_a_check("defaults")
+    gap_alone, checks_alone, _ = quick_ppca_after_a_check("no_escape")
+    (check,) = checks
+    assert check["epoch"] == 3 and check["rounds"][0].negative >= 1 and check["rounds"][0].moved
     assert any(step != 0 for r in check["rounds"] for step in r.steps)
     assert all(r.objective_change <= 0 for r in check["rounds"])
-    assert checks["no_escape"] == "off (PDVI.escape_saddles)"
-    assert gaps["defaults"] < gaps["no_escape"]
+    assert checks_alone == "off (PDVI.escape_saddles)"
+    assert gap < gap_alone
+
+
+def test_pdvi_puts_off_a_check_whose_curvature_is_too_steep_for_a_saddle(early_check, monkeypatch):
+    """The same check with every negative curvature called too steep for a saddle near a fixed
+    point: no step is tried, the state stays as it was (the run ends where the run without the
+    escape does, to the bit), and the check is due again at twice its epoch."""
+    monkeypatch.setattr(early_check, "STEEPEST_SADDLE", 0.0)
+    gap, checks, next_check = quick_ppca_after_a_check("defaults")
+    gap_alone, _, _ = quick_ppca_after_a_check("no_escape")
+    (check,) = checks
+    (only_round,) = check["rounds"]
+    assert only_round.negative >= 1 and only_round.too_steep and only_round.steps == []
+    assert next_check == 6 and gap == gap_alone

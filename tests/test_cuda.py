@@ -4,6 +4,7 @@ synchronisation, and a PDVI step keeps all of its state on the device. Skipped w
 import pyro
 import pytest
 import torch
+from pyro.distributions import constraints
 from pyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 
@@ -328,3 +329,44 @@ def test_a_full_covariance_site_takes_its_fixed_point_on_cuda():
     covariance = guide.get_posterior().covariance_matrix.detach()
     assert covariance.device.type == "cuda"
     torch.testing.assert_close(covariance.cpu(), exact_posterior()[1], rtol=1e-10, atol=1e-14)
+
+
+def test_the_saddle_escape_check_runs_on_cuda(monkeypatch):
+    """The saddle escape's check (``docs/benchmarks.md`` 13zl-13zm) on the device: on a model with
+    a latent per datum and a convex reduced objective it runs (the Hessian products on the device,
+    Lanczos on the host), finds no negative curvature, and the state stays on the device."""
+    from pyro_pdvi.infer import saddle_escape
+
+    monkeypatch.setattr(saddle_escape, "FIRST_CHECK_EPOCH", 3)
+    monkeypatch.setattr(saddle_escape, "DRIFT_EPOCHS", 2)
+    data = torch.linspace(-2.0, 3.0, 24, device=CUDA)
+    blocks = list(torch.arange(24, device=CUDA).split(6))
+
+    def model(idx):
+        mu = pyro.sample("mu", pyro.distributions.Normal(torch.zeros((), device=CUDA), 3.0))
+        with pyro.plate("data", 24, subsample=idx):
+            z = pyro.sample("z", pyro.distributions.Normal(mu, 1.0))
+            pyro.sample("x", pyro.distributions.Normal(z, 0.5), obs=data[idx])
+
+    def guide(idx):
+        loc = pyro.param("mu_loc", torch.zeros((), device=CUDA))
+        scale = pyro.param("mu_scale", torch.ones((), device=CUDA), constraint=constraints.positive)
+        pyro.sample("mu", pyro.distributions.Normal(loc, scale))
+        with pyro.plate("data", 24, subsample=idx):
+            z_loc = pyro.param("z_loc", torch.zeros(24, device=CUDA), event_dim=0)
+            z_scale = pyro.param(
+                "z_scale", torch.ones(24, device=CUDA), constraint=constraints.positive, event_dim=0
+            )
+            pyro.sample("z", pyro.distributions.Normal(z_loc, z_scale))
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    pdvi = PDVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), blocks=blocks)
+    for _ in range(5):
+        for block in blocks:
+            pdvi.step(block)
+    (check,) = pdvi.diagnostics["saddle_escape"]
+    assert "failed" not in check and check["epoch"] == 3
+    assert check["rounds"][0].negative == 0 and check["rounds"][0].smallest > 0
+    assert pdvi.state.consensus.device.type == "cuda" and pdvi.state.duals.device.type == "cuda"
+    assert pyro.param("z_loc").device.type == "cuda"

@@ -100,6 +100,10 @@ PDVI_CONFIGS: dict[str, dict] = {
     "round1": {ROUND_SITES: False},
     # No check for saddles of the reduced objective, the default before 13zk.
     "no_escape": {ESCAPE: False},
+    # Two fixed step sizes with and without it (13zm: a check before a fixed 0.1 is near its
+    # fixed point).
+    "eta0.01_no_escape": {"eta": 0.01, ESCAPE: False},
+    "eta0.1_no_escape": {"eta": 0.1, ESCAPE: False},
     # Ten times the default short solve's evaluations (13zb: the solve's accuracy is not what sets
     # the logistic regression's rate per epoch).
     "inner30": {"solver": GenericSolver(inner_steps=30)},

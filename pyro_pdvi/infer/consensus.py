@@ -327,15 +327,18 @@ class ConsensusState:
         self.num_visited = update.num_visited
         self.consensus = update.consensus
 
-    def translate(self, move: torch.Tensor) -> None:
-        """Move ``lambda_0``, every copy and the copies' means by ``move`` (flat, size P), the
-        duals kept: the state a run would have had from a start moved so (the saddle escape,
-        :mod:`~pyro_pdvi.infer.saddle_escape`)."""
+    def translate(self, move: torch.Tensor, dual_shift: torch.Tensor | None = None) -> None:
+        """Move ``lambda_0``, every copy and the copies' means by ``move`` (flat, size P), and
+        the duals by ``dual_shift`` (``(n, P)``, zero mean over the blocks, so that their mean and
+        ``h`` are kept; ``None``: the duals kept): the saddle escape's jump
+        (:mod:`~pyro_pdvi.infer.saddle_escape`)."""
         move = move.to(self.consensus)
         self.consensus = self.consensus + move
         self.copies = self.copies + move
         self.copy_mean = self.copy_mean + move
         self.visited_sum = self.visited_sum + move * self.num_visited
+        if dual_shift is not None:
+            self.duals = self.duals + dual_shift.to(self.duals)
 
     def set_step_sizes(self, step_sizes: torch.Tensor) -> None:
         """Change H. The duals are kept, so ``lambda_0`` moves with ``h = H * mean(mu)``."""

@@ -745,11 +745,17 @@ class PDVI(StepSizeUpkeep):
             losses, self.layout, self._consensus_params.detach(), self._params.rows(indices)
         )
 
-    def _translate(self, move: torch.Tensor, solved: list[tuple[torch.Tensor, dict]]) -> None:
+    def _translate(
+        self,
+        move: torch.Tensor,
+        solved: list[tuple[torch.Tensor, dict]],
+        dual_shift: torch.Tensor | None = None,
+    ) -> None:
         """Move ``lambda_0`` and every copy by ``move`` (params' coordinates, which are the
-        state's here), set the blocks' rows to ``solved``; the duals kept. The stationarity
-        test's last ``lambda_0`` moves with it: the jump is not a step of the iteration."""
-        self._state.translate(move)
+        state's here), the duals by ``dual_shift`` (zero mean over the blocks; ``None``: kept),
+        set the blocks' rows to ``solved``. The stationarity test's last ``lambda_0`` moves with
+        it: the jump is not a step of the iteration."""
+        self._state.translate(move, dual_shift)
         if self._stationarity.previous is not None:
             self._stationarity.previous += move.to(self._stationarity.previous)
         for indices, rows in solved:

@@ -24,6 +24,7 @@ cosines 1.000, 0.987, 0.977; 13zj).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -122,6 +123,7 @@ def lanczos(
     iterations: int,
     seed: int,
     start: torch.Tensor | None = None,
+    stop_below: float = -math.inf,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ritz values (ascending) and vectors ``(dimension, m)`` of a symmetric operator after
     ``iterations`` Lanczos steps from ``start`` or a random start, fully reorthogonalised
@@ -132,6 +134,8 @@ def lanczos(
     :param iterations: the most Lanczos steps (fewer where the Krylov space is exhausted).
     :param seed: the random start's seed.
     :param start: the first Krylov vector (any norm); a draw of ``seed`` where ``None`` or zero.
+    :param stop_below: stop as soon as a Ritz value is below this: the operator's smallest
+        eigenvalue is then below it too (Ritz values lie within the spectrum).
     """
     basis = torch.zeros(dimension, iterations, dtype=torch.float64)
     if start is None or not bool(start.norm() > 0):
@@ -146,17 +150,24 @@ def lanczos(
         image = image - basis[:, : i + 1] @ (basis[:, : i + 1].T @ image)
         image = image - basis[:, : i + 1] @ (basis[:, : i + 1].T @ image)
         beta = float(image.norm())
-        if i + 1 == iterations or beta < 1e-12:
+        below = float(torch.linalg.eigvalsh(_tridiagonal(alphas, betas))[0]) < stop_below
+        if i + 1 == iterations or beta < 1e-12 or below:
             basis = basis[:, : i + 1]
             break
         betas.append(beta)
         vector = image
-    tridiagonal = torch.diag(torch.tensor(alphas, dtype=torch.float64))
-    if betas:
-        off = torch.tensor(betas, dtype=torch.float64)
-        tridiagonal += torch.diag(off, 1) + torch.diag(off, -1)
-    values, small = torch.linalg.eigh(tridiagonal)
+    values, small = torch.linalg.eigh(_tridiagonal(alphas, betas))
     return values, basis @ small
+
+
+def _tridiagonal(alphas: list[float], betas: list[float]) -> torch.Tensor:
+    """Lanczos's tridiagonal matrix from its diagonal and the first ``len(alphas) - 1`` of its
+    off-diagonal entries."""
+    tridiagonal = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+    if len(alphas) > 1:
+        off = torch.tensor(betas[: len(alphas) - 1], dtype=torch.float64)
+        tridiagonal += torch.diag(off, 1) + torch.diag(off, -1)
+    return tridiagonal
 
 
 def scaled_reduced_products(

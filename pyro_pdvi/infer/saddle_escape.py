@@ -14,23 +14,28 @@ Once per check, :class:`SaddleEscape`:
    ``lambda_0``'s displacement over the last :data:`DRIFT_EPOCHS` epochs, which points mostly
    along them (cosine 0.84 on PPCA: 13zk; 20 iterations from there found what 60 from a random
    start did);
-3. along each in turn, tries a step of :data:`STEP_FRACTION` of ``lambda_0``'s norm on those
-   coordinates, both signs, each trial point scored by the blocks' objectives at their fixed
-   noise with every block's rows carried along ``-H_pp^-1 H_pl v`` and then solved
-   (:data:`TRIAL_SOLVE_STEPS` evaluations); keeps the best point if it lowers the sum;
-4. moves ``lambda_0``, every copy and every block's rows there, the duals kept
-   (:meth:`~pyro_pdvi.infer.consensus.ConsensusState.translate`);
+3. along each of the :data:`MAX_DIRECTIONS` most negative in turn, tries a step of
+   :data:`STEP_FRACTION` of ``lambda_0``'s norm on those coordinates, the way the drift goes,
+   each trial point scored by the blocks' objectives at their fixed noise with every block's
+   rows carried along ``-H_pp^-1 H_pl v`` and then solved (:data:`TRIAL_SOLVE_STEPS`
+   evaluations); keeps the best point if it lowers the sum;
+4. moves ``lambda_0``, every copy and every block's rows there, and each block's dual by minus
+   the change of its gradient, less the mean change (:meth:`TrialScorer.dual_shift`,
+   :meth:`~pyro_pdvi.infer.consensus.ConsensusState.translate`);
 
 for at most :data:`MAX_ROUNDS` rounds, until no negative curvature is left. The first check is
 after :data:`FIRST_CHECK_EPOCH` epochs (ten in was too early on PPCA: the descent of the first
 epochs was not over, 13zk); a check that moved the state is followed by another after twice as
-many epochs, one that found no negative curvature (or no better point) by none.
+many epochs, one that found no negative curvature (or no better point) by none. A curvature
+steeper than :data:`STEEPEST_SADDLE` says the descent is not over: no step is tried, and the
+check comes again after twice as many epochs.
 
 Measured inside PDVI on PPCA (digits, 40 blocks sorted by digit; seeds 0-5, ``docs/benchmarks.md``
-13zl): the check cost 5-9 CPU s, and at 20 CPU s, its seconds included, the ELBO gap was 0.56x
-(geometric mean) that of the same runs without it, ahead on every seed; on the hierarchical
-normal model it found no negative curvature and cost 3 of 166 epochs. The epoch after an escape
-is worse before it is better: the duals are kept from before the move.
+13zl-13zm): the check cost 5-9 CPU s, and at 20 CPU s, its seconds included, the ELBO gap was
+0.52x (geometric mean) that of the same runs without it, ahead on every seed; on the hierarchical
+normal model it found no negative curvature and cost 3 of 166 epochs. With a fixed ``eta=0.1``,
+which settles later, the first check is put off as too steep and the second, near the end of a
+20 s budget, cost more than it gained by then (1.8x worse at 20 s, better per epoch).
 """
 
 from __future__ import annotations
@@ -59,6 +64,14 @@ MAX_ROUNDS = 2
 STEP_FRACTION = 0.2
 #: Evaluations of a trial point's local solves (3 did what 5 and 20 did on PPCA: 13zj).
 TRIAL_SOLVE_STEPS = 3
+#: A Ritz value below minus this (the Fisher-scaled curvature: steeper than the guide's own
+#: precision) says the run is not near a fixed point yet, where a check's scores mislead; the check
+#: is put off to twice its epoch (PPCA with ``eta=0.1`` at epoch 20: -53 to -159, against -0.0004
+#: to -0.012 for the saddles of its default runs, 13zm).
+STEEPEST_SADDLE = 1.0
+#: The most negative directions tried in a round (PPCA's checks found one or two, 13zl; a run
+#: far from a fixed point can show many, 13zm).
+MAX_DIRECTIONS = 2
 
 
 @dataclass
@@ -67,7 +80,8 @@ class EscapeRound:
 
     :param negative: the number of negative Ritz values found.
     :param smallest: the smallest Ritz value (scaled by the Fisher information).
-    :param steps: the step taken along each negative direction, signed (0: none was better).
+    :param steps: the step along each direction tried (at most :data:`MAX_DIRECTIONS`), signed
+        the way ``lambda_0`` drifts; 0 where the trial point was not better.
     :param objective_change: the change of the blocks' summed objective at their fixed noise.
     """
 
@@ -75,6 +89,17 @@ class EscapeRound:
     smallest: float
     steps: list[float] = field(default_factory=list)
     objective_change: float = 0.0
+
+    @property
+    def moved(self) -> bool:
+        """Whether the round moved the state."""
+        return any(step != 0 for step in self.steps)
+
+    @property
+    def too_steep(self) -> bool:
+        """Whether the round found curvature too steep for a saddle near a fixed point
+        (:data:`STEEPEST_SADDLE`): no step was tried."""
+        return self.smallest < -STEEPEST_SADDLE
 
 
 class SaddleEscape:
@@ -114,11 +139,12 @@ class SaddleEscape:
         self.next_check = None
 
     def checked(self, epoch: int, rounds: list[EscapeRound]) -> None:
-        """Record a check at ``epoch``; the next after twice as many epochs if it moved the state,
-        else none. ``lambda_0``'s history starts again from the state it left."""
-        moved = any(step != 0 for r in rounds for step in r.steps)
+        """Record a check at ``epoch``; the next after twice as many epochs if it moved the state
+        or found curvature too steep for a saddle, else none. ``lambda_0``'s history starts again
+        from the state it left."""
+        moved = any(r.moved for r in rounds)
         self.checks.append({"epoch": epoch, "rounds": rounds})
-        self.next_check = 2 * epoch if moved else None
+        self.next_check = 2 * epoch if moved or rounds[-1].too_steep else None
         self.history = self.history[-1:] if not moved else []
 
 
@@ -143,7 +169,9 @@ def negative_directions(
     """
     apply = scaled_reduced_products(schurs, coordinates, scale)
     scale = scale.double().cpu()
-    values, vectors = lanczos(apply, len(coordinates), LANCZOS_ITERATIONS, seed, start.double().cpu() / scale)
+    values, vectors = lanczos(
+        apply, len(coordinates), LANCZOS_ITERATIONS, seed, start.double().cpu() / scale, -STEEPEST_SADDLE
+    )
     directions = [scale * vectors[:, j] for j in range(int((values < 0).sum()))]
     return [d / d.norm() for d in directions], values
 
@@ -202,6 +230,41 @@ class TrialScorer:
             solved.append((problem.indices, rows))
         return total, solved
 
+    def gradients(self, point: torch.Tensor, rows: list[dict] | None = None) -> torch.Tensor:
+        """Every block's gradient of its objective in the globals at ``point`` (flat, params'
+        coordinates) with its ``rows`` (``None``: its current ones), at its fixed noise, ``(n, P)``."""
+        pdvi, gradients = self.pdvi, []
+        for b in range(len(self.schurs)):
+            args, kwargs = self.block_args[b]
+            problem = pdvi._problem(torch.tensor([b]), [self.seeds[b]], args, kwargs, consensus=point)
+            copies = {
+                name: value.unsqueeze(0).detach().requires_grad_(True)
+                for name, value in pdvi.layout.unflatten(point).items()
+            }
+            loss = problem.losses(copies, problem.local if rows is None else rows[b]).sum()
+            parts = dict(zip(copies, torch.autograd.grad(loss, list(copies.values()))))
+            gradients.append(pdvi.layout.flatten(parts, batch_dims=1)[0])
+        return torch.stack(gradients)
+
+    def dual_shift(
+        self, best: torch.Tensor, solved: list[tuple[torch.Tensor, dict]], coordinates: torch.Tensor
+    ) -> torch.Tensor:
+        """How the duals follow a jump from :attr:`point` to ``best`` (its rows ``solved``), ``(n, P)``.
+
+        At the iteration's fixed point each block's dual is minus its gradient at ``lambda_0``, up
+        to a shift common to all blocks; the jump changes each block's gradient by
+        ``g_b(best) - g_b(point)`` (same noise at both), and the duals follow by minus that, less
+        its mean over the blocks (which keeps ``lambda_0`` where the jump put it), on the moved
+        ``coordinates``. Kept duals instead made the epoch after an escape worse before it was
+        better (PPCA, 13zl-13zm)."""
+        before = self.gradients(self.point)
+        after = self.gradients(best, [rows for _, rows in solved])
+        shift = before - after
+        shift = shift - shift.mean(0, keepdim=True)
+        moved = torch.zeros(shift.shape[-1], dtype=torch.bool, device=shift.device)
+        moved[coordinates.to(shift.device)] = True
+        return shift * moved
+
 
 def run_check(
     pdvi: PDVI, escape: SaddleEscape, block_args: dict[int, tuple[tuple, dict]], seed: int
@@ -227,27 +290,30 @@ def run_check(
         directions, values = negative_directions(schurs, coordinates, scale, start, seed + round_)
         record = EscapeRound(negative=len(directions), smallest=float(values[0]))
         rounds.append(record)
-        if not directions:
+        if not directions or record.too_steep:
             break
         score = TrialScorer(pdvi, schurs, block_args, seeds)
         point = score.point
         best_value, solved = score(point)
         first_value, best = best_value, point
         length = step_length(point[coordinates], scale)
-        for direction in directions:
+        drift = start.double().cpu() / scale
+        for direction in directions[:MAX_DIRECTIONS]:
+            # The run drifts away from the saddle: the step goes the drift's way along the
+            # direction (the better sign on PPCA every time both were tried, 13zm).
+            sign = -1.0 if float((direction / scale) @ drift) < 0 else 1.0
             embedded = torch.zeros_like(point)
             embedded[coordinates.to(point.device)] = direction.to(point)
-            base, taken = best, 0.0
-            for sign in (1.0, -1.0):
-                trial = base + sign * length * embedded
-                value, trial_rows = score(trial)
-                if value < best_value:  # a non-finite value is never better
-                    best_value, best, solved, taken = value, trial, trial_rows, sign * length
-            record.steps.append(taken)
+            trial = best + sign * length * embedded
+            value, trial_rows = score(trial)
+            better = value < best_value  # a non-finite value is never better
+            if better:
+                best_value, best, solved = value, trial, trial_rows
+            record.steps.append(sign * length if better else 0.0)
         record.objective_change = best_value - first_value
         if best is point:
             break
-        pdvi._translate(best - point, solved)
+        pdvi._translate(best - point, solved, score.dual_shift(best, solved, coordinates))
     return rounds
 
 

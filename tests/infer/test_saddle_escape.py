@@ -36,9 +36,12 @@ def test_the_first_check_waits_for_its_epoch_and_the_drift():
     assert escape.next_check is None
     assert not any(escape.end_epoch(e, torch.zeros(3)) for e in range(41, 200))
     assert [c["epoch"] for c in escape.checks] == [20, 40]
+    steep = SaddleEscape()
+    steep.checked(20, [EscapeRound(negative=4, smallest=-2 * saddle_escape.STEEPEST_SADDLE)])
+    assert steep.next_check == 40 and not steep.checks[0]["rounds"][0].moved
 
 
-def test_translate_moves_consensus_copies_and_means_and_keeps_the_duals():
+def test_translate_moves_consensus_copies_means_and_duals():
     state = ConsensusState(torch.tensor([1.0, 2.0]), 3, torch.ones(2))
     state.duals = torch.randn(3, 2)
     state.dual_mean = state.duals.mean(0)
@@ -53,6 +56,47 @@ def test_translate_moves_consensus_copies_and_means_and_keeps_the_duals():
     assert torch.equal(state.duals, before[2])
     assert torch.allclose(state.estimate(), before[3] + move, atol=1e-15)
     assert torch.allclose(state.visited_sum / state.num_visited, (before[1] + move).mean(0), atol=1e-15)
+    shift = torch.randn(3, 2)
+    shift -= shift.mean(0)
+    state.translate(torch.zeros(2), shift)
+    assert torch.equal(state.duals, before[2] + shift)
+    assert torch.allclose(state.estimate(), before[3] + move, atol=1e-15)  # h = H mean(mu) kept
+
+
+def test_the_duals_follow_the_blocks_gradients_across_a_jump():
+    """The hierarchical toy's gradient in mu's mean is linear in the means (antithetic pairs cancel
+    the scales' terms): a jump of mu's mean by v, the rows solved there, changes block b's gradient
+    by ``|b| v (1/tau^2 + 1/(N s0^2)) - sum_{i in b} dtheta_i / tau^2``, and its dual must move by
+    minus that, less its mean over the blocks; by nothing on the coordinates the jump leaves."""
+    problem = Hierarchical(num_data=30, num_blocks=3)
+    algo = PDVI(
+        problem.model, problem.guide, pyro.optim.Adam({"lr": 0.1}), Trace_ELBO(), blocks=problem.blocks
+    )
+    for block in problem.blocks:
+        algo.step(block)
+    block_args = {b: ((block,), {}) for b, block in enumerate(problem.blocks)}
+    seeds = [11, 12, 13]
+    schurs = [algo._block_schur(b, seeds[b], *block_args[b]) for b in range(3)]
+    score = saddle_escape.TrialScorer(algo, schurs, block_args, seeds)
+    mu_loc = algo.layout.slices["mu_loc"]
+    best, v = score.point.clone(), 0.7
+    best[mu_loc] += v
+    _, solved = score(best)
+    coordinates = torch.arange(algo.layout.size)[mu_loc]
+    shift = score.dual_shift(best, solved, coordinates)
+
+    theta = pyro.param("theta_loc").detach()
+    moved_theta = torch.stack(
+        [(rows["theta_loc"].reshape(-1) - theta[idx.reshape(-1)]).sum() for idx, rows in solved]
+    )
+    assert bool((moved_theta.abs() > 1e-3).all())  # the rows did follow
+    size = len(problem.blocks[0])
+    change = size * v * (1 / problem.tau**2 + 1 / (problem.N * problem.s0**2)) - moved_theta / problem.tau**2
+    expected = -(change - change.mean())
+    assert torch.allclose(shift[:, mu_loc].reshape(-1), expected, rtol=1e-9, atol=1e-12)
+    others = torch.ones(algo.layout.size, dtype=torch.bool)
+    others[mu_loc] = False
+    assert torch.equal(shift[:, others], torch.zeros_like(shift[:, others]))
 
 
 def test_lanczos_finds_the_most_negative_eigenvalues():
@@ -73,6 +117,10 @@ def test_lanczos_finds_the_most_negative_eigenvalues():
     assert not torch.allclose(values, spectrum[:3], atol=1e-2)
     values, _ = lanczos(lambda v: matrix @ v, 60, 25, seed=1, start=torch.zeros(60))  # zero: random
     assert torch.allclose(values[:3], spectrum[:3], atol=1e-8)
+    calls = []
+    values, vectors = lanczos(lambda v: calls.append(1) or matrix @ v, 60, 25, seed=1, stop_below=-1.5)
+    assert len(calls) < 25 and len(values) == len(calls) == vectors.shape[1]  # stopped early
+    assert values[0] < -1.5 and values[0] >= spectrum[0] - 1e-12  # a Ritz value bounds the spectrum
 
 
 def test_reduced_hessian_of_a_quadratic_model_is_its_schur_complement():
