@@ -24,6 +24,7 @@ over groups of sites (:mod:`~pyro_pdvi.infer.step_sizes`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -725,15 +726,17 @@ class PDVI(StepSizeUpkeep):
         epochs = self._block_visits // num_blocks
         if (self._block_visits - len(block_ids)) // num_blocks < epochs:  # an epoch ended
             if self._saddle.end_epoch(epochs, self._consensus_params) and len(self._step_args) == num_blocks:
+                started = time.perf_counter()
                 try:
                     with self._objective.one_off():
                         rounds = run_check(self, self._saddle, self._step_args, self._side_seed(-4 - epochs))
                 except RuntimeError as error:
                     # No usable second derivative through the model, or a non-finite Hessian: a
                     # round moves the state only once it is done, so the state is consistent.
-                    self._saddle.failed(epochs, f"{type(error).__name__}: {error}")
+                    reason = f"{type(error).__name__}: {error}"
+                    self._saddle.failed(epochs, reason, time.perf_counter() - started)
                 else:
-                    self._saddle.checked(epochs, rounds)
+                    self._saddle.checked(epochs, rounds, time.perf_counter() - started)
         self.diagnostics["saddle_escape"] = self._saddle.checks
 
     def _block_schur(self, b: int, seed: int, args: tuple, kwargs: dict) -> BlockSchurComplement:

@@ -105,7 +105,8 @@ class EscapeRound:
 class SaddleEscape:
     """When to check for a saddle, and ``lambda_0``'s history that starts the search.
 
-    :attr checks: one entry per check: the epoch and its rounds (:class:`EscapeRound`).
+    :attr checks: one entry per check: the epoch, its rounds (:class:`EscapeRound`) and its
+        wall-clock seconds.
     :attr next_check: the epoch of the next check; ``None`` once one found nothing to do.
     """
 
@@ -133,17 +134,17 @@ class SaddleEscape:
         self.history = [h.to(device) for h in state["history"]]
         self.next_check = state["next_check"]
 
-    def failed(self, epoch: int, reason: str) -> None:
-        """Record a check at ``epoch`` that raised (``reason``); no other follows."""
-        self.checks.append({"epoch": epoch, "rounds": [], "failed": reason})
+    def failed(self, epoch: int, reason: str, seconds: float = 0.0) -> None:
+        """Record a check at ``epoch`` that raised (``reason``) after ``seconds``; no other follows."""
+        self.checks.append({"epoch": epoch, "rounds": [], "failed": reason, "seconds": seconds})
         self.next_check = None
 
-    def checked(self, epoch: int, rounds: list[EscapeRound]) -> None:
-        """Record a check at ``epoch``; the next after twice as many epochs if it moved the state
-        or found curvature too steep for a saddle, else none. ``lambda_0``'s history starts again
-        from the state it left."""
+    def checked(self, epoch: int, rounds: list[EscapeRound], seconds: float = 0.0) -> None:
+        """Record a check at ``epoch`` that took ``seconds``; the next after twice as many epochs
+        if it moved the state or found curvature too steep for a saddle, else none.
+        ``lambda_0``'s history starts again from the state it left."""
         moved = any(r.moved for r in rounds)
-        self.checks.append({"epoch": epoch, "rounds": rounds})
+        self.checks.append({"epoch": epoch, "rounds": rounds, "seconds": seconds})
         self.next_check = 2 * epoch if moved or rounds[-1].too_steep else None
         self.history = self.history[-1:] if not moved else []
 

@@ -185,6 +185,7 @@ def test_a_convex_model_is_checked_once_and_left_as_it_was(monkeypatch):
     pdvi = fit_normal_means(True, 8)
     (check,) = pdvi.diagnostics["saddle_escape"]
     assert check["epoch"] == 3 and check["rounds"][0].negative == 0 and check["rounds"][0].smallest > 0
+    assert check["seconds"] > 0
     assert pdvi._saddle.next_check is None and pdvi._step_args == {}
     with_check = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
     fit_normal_means(False, 8)
