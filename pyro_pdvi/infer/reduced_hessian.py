@@ -46,8 +46,6 @@ class BlockSchurComplement:
     :param layout: the flat layout of the global params.
     :param point: ``lambda``, flat, in the params' coordinates.
     :param rows: the block's rows of every local site, ``(1, data, ...)`` each.
-    :attr separability: the relative error of the block-diagonal local Hessian on one random
-        direction (0 where the rows are separable by datum, as a model with a plate makes them).
     :attr local_inverse: ``H_pp^-1``, one ``(r, r)`` block per datum.
     """
 
@@ -74,15 +72,22 @@ class BlockSchurComplement:
         _, columns = self.products(unit_rows, None)
         local_blocks = columns.permute(1, 2, 0)  # (data, row, column)
         local_blocks = (local_blocks + local_blocks.mT) / 2
-        generator = torch.Generator().manual_seed(losses.seeds[0] % 2**63)
-        probe = torch.randn(1, self.num_data, self.width, generator=generator).to(self.joint)
-        _, exact = self.products(probe, None)
-        blockwise = (local_blocks @ probe[0].unsqueeze(-1)).squeeze(-1)
-        self.separability = float((exact[0] - blockwise).norm() / exact[0].norm().clamp(min=1e-300))
+        self._local_blocks, self._seed = local_blocks, losses.seeds[0]
         values, vectors = torch.linalg.eigh(local_blocks)
         largest = values.amax(-1, keepdim=True).clamp(min=torch.finfo(values.dtype).tiny)
         floor = LOCAL_EIGENVALUE_FLOOR * largest
         self.local_inverse = vectors @ torch.diag_embed(1 / values.maximum(floor)) @ vectors.mT
+
+    @property
+    def separability(self) -> float:
+        """The relative error of the block-diagonal local Hessian on one random direction (0 where
+        the rows are separable by datum, as a model with a plate makes them): one more product,
+        taken only when asked for."""
+        generator = torch.Generator().manual_seed(self._seed % 2**63)
+        probe = torch.randn(1, self.num_data, self.width, generator=generator).to(self.joint)
+        _, exact = self.products(probe, None)
+        blockwise = (self._local_blocks @ probe[0].unsqueeze(-1)).squeeze(-1)
+        return float((exact[0] - blockwise).norm() / exact[0].norm().clamp(min=1e-300))
 
     def products(
         self, local_directions: torch.Tensor | None, global_directions: torch.Tensor | None
