@@ -340,7 +340,7 @@ def main(args: argparse.Namespace) -> dict:
             + report.summary_table(summary_rows),
             "## Cost of a step (CPU s, median over steps but the first; set-up = first step - median)\n\n"
             + report.cost_table(cost_rows),
-            "## eta='auto' against fixed eta (first seed, error at the budget's end)\n\n"
+            "## eta='auto' against fixed eta (first seed; at the budget's end and over its last half)\n\n"
             + report.eta_table(eta_rows, {k: v[0] for k, v in PLOTTED.items()}),
             "## Runs that failed or warned\n\n" + report.failures_table(all_results),
         ]

@@ -16,7 +16,12 @@ scipy = pytest.importorskip("scipy")
 from benchmarks import suite as suite  # noqa: E402
 from benchmarks.generic_suite import models, references  # noqa: E402
 from benchmarks.generic_suite.baselines import Fitter, Method  # noqa: E402
-from benchmarks.generic_suite.metrics import Scorer, align_columns, procrustes_rotation  # noqa: E402
+from benchmarks.generic_suite.metrics import (  # noqa: E402
+    Scorer,
+    align_columns,
+    late_geometric_mean,
+    procrustes_rotation,
+)
 from benchmarks.generic_suite.runner import run_method  # noqa: E402
 
 F64 = torch.float64
@@ -59,7 +64,8 @@ def random_params(problem) -> dict[str, torch.Tensor]:
 
 def test_main_tiny(tmp_path):
     argv = ["--models", "logreg,scale", "--seeds", "0", "--budget-seconds", "0.3", "--checkpoints", "0.1",
-            "--svi-lrs", "0.1", "--pdvi-configs", "defaults", "--eta-grid", "eta1"]  # fmt: skip
+            "--svi-lrs", "0.1", "--pdvi-configs", "defaults", "--eta-grid", "eta1",
+            "--evals-per-budget", "6"]  # fmt: skip
     out = suite.main(suite.parse_args([*argv, "--out", str(tmp_path)]))
     labels = {(r.model, r.label) for r in out["results"]}
     assert labels == {
@@ -77,6 +83,10 @@ def test_main_tiny(tmp_path):
     for name in ("report.md", "history.csv", "runs.csv", "accuracy.csv", "cost.csv", "eta.csv"):
         assert (tmp_path / name).exists()
     assert "best SVI" in (tmp_path / "report.md").read_text()
+    # eta="auto" against the grid, at the end and over the last half of the budget.
+    for row in out["eta"]:
+        assert set(row["fixed_late"]) == {1.0} and row["best_fixed_eta_late"] == 1.0
+        assert row["auto_late"] > 0 and row["best_fixed_error_late"] > 0
     # The report made again from the CSVs has the same numbers.
     again = suite.main(
         suite.parse_args([*argv, "--report-from", str(tmp_path), "--out", str(tmp_path / "again")])
@@ -86,6 +96,18 @@ def test_main_tiny(tmp_path):
     pytest.importorskip("matplotlib")
     assert (tmp_path / "logreg.png").exists() and (tmp_path / "scale.png").exists()
     assert torch.get_default_dtype() == F64  # main restores the default dtype
+
+
+def test_the_late_level_is_the_geometric_mean_of_the_budgets_last_half():
+    """Records from half the budget on, up to the budget: their geometric mean, one noisy record
+    weighed as one of many; a NaN or a zero is left out; none there gives ``None``."""
+    history = [{"seconds": float(s), "error": 1.0} for s in range(5)]
+    history += [{"seconds": 5.0 + s, "error": 1e-8 if s % 2 else 1e-6} for s in range(6)]  # 5 .. 10
+    history += [{"seconds": 7.5, "error": math.nan}, {"seconds": 8.5, "error": 0.0}]
+    history += [{"seconds": 11.0, "error": 1.0}]  # past the budget
+    assert late_geometric_mean(history, "error", 10.0) == pytest.approx(1e-7, rel=1e-12)
+    assert late_geometric_mean(history, "error", 10.0, share=0.02) == pytest.approx(1e-8)
+    assert late_geometric_mean(history, "other", 10.0) is None
 
 
 class Recorder:
