@@ -100,7 +100,7 @@ def test_main_tiny(tmp_path):
 
 def test_the_late_level_is_the_geometric_mean_of_the_budgets_last_half():
     """Records from half the budget on, up to the budget: their geometric mean, one noisy record
-    weighed as one of many; a NaN or a zero is left out; none there gives ``None``."""
+    counting as one of many; a NaN or a zero is left out; none there gives ``None``."""
     history = [{"seconds": float(s), "error": 1.0} for s in range(5)]
     history += [{"seconds": 5.0 + s, "error": 1e-8 if s % 2 else 1e-6} for s in range(6)]  # 5 .. 10
     history += [{"seconds": 7.5, "error": math.nan}, {"seconds": 8.5, "error": 0.0}]
