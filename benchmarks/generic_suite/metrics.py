@@ -56,6 +56,7 @@ PLOTTED = {
     "odlogit": ("rmse_mean", "sd_error"),
     "gmm": ("w2_ratio", "elbo_gap_resolved"),
     "biglogreg": ("rmse_mean", "sd_error"),
+    "ppca_cancer": ("elbo_gap", "elbo_gap_resolved"),
 }
 
 #: Metrics that are relative objective gaps: plotted on a symmetric log scale (they may be negative).

@@ -19,6 +19,9 @@ name           model
                hand-written mean-field guide with local ``z_loc``/``z_scale`` rows
                (``event_dim=1`` inside the data plate), 40 blocks sorted by digit,
                ``Trace_ELBO(num_particles=8, vectorize_particles=True)``
+``ppca_cancer`` the same PPCA on sklearn's breast_cancer (569 x 30, each feature
+               standardised), 20 blocks sorted by label: a second data set whose loadings
+               pass near saddles of their rotation (``docs/benchmarks.md`` 13zn)
 ``mixed``      random intercept + slope, 30 groups (synthetic, 10-30 rows each, the
                groups' x ranges differ), LogNormal hyper-scales ``tau_a, tau_b`` and
                noise sd ``sigma`` as latent sites, ``AutoNormal``, one block per group,
@@ -63,7 +66,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_pdvi.checks import check_positive_int
 from pyro_pdvi.models import GMMModel, make_biased_gmm
 
-PROBLEM_NAMES = ("logreg", "ppca", "mixed", "hier", "scale", "odlogit", "gmm", "biglogreg")
+PROBLEM_NAMES = ("logreg", "ppca", "mixed", "hier", "scale", "odlogit", "gmm", "biglogreg", "ppca_cancer")
 
 
 def sorted_blocks(keys: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
@@ -261,7 +264,14 @@ class OverdispersedLogistic(LogisticRegression):
 
 
 class PPCA(Problem):
-    """Probabilistic PCA with a local ``z_i`` per image, blocks sorted by digit."""
+    """Probabilistic PCA with a local ``z_i`` per datum, blocks sorted by label: sklearn's digits
+    (``ppca``, centred, one global scale: some pixels are constant) or breast_cancer
+    (``ppca_cancer``, each feature standardised).
+
+    :param num_data: the first this many data (all where ``None``).
+    :param num_blocks: blocks sorted by label.
+    :param dataset: ``"digits"`` or ``"breast_cancer"``.
+    """
 
     latent_dim = 5
     noise_scale = 0.7
@@ -269,20 +279,24 @@ class PPCA(Problem):
     init_loading_scale = 0.1
     init_scale = 0.1
 
-    def __init__(self, dtype: torch.dtype, num_data: int | None = None, num_blocks: int = 40) -> None:
-        from sklearn.datasets import load_digits
+    def __init__(
+        self, dtype: torch.dtype, num_data: int | None = None, num_blocks: int = 40, dataset: str = "digits"
+    ) -> None:
+        from sklearn.datasets import load_breast_cancer, load_digits
 
-        raw = load_digits()
-        images = torch.as_tensor(raw.data, dtype=torch.float64)
+        if dataset not in ("digits", "breast_cancer"):
+            raise ValueError(f"PPCA's dataset is 'digits' or 'breast_cancer', not {dataset!r}")
+        raw = load_digits() if dataset == "digits" else load_breast_cancer()
+        features = torch.as_tensor(raw.data, dtype=torch.float64)
         labels = torch.as_tensor(raw.target)
         if num_data is not None:
-            images, labels = images[:num_data], labels[:num_data]
-        centred = images - images.mean(0)
-        x = centred / centred.std()
+            features, labels = features[:num_data], labels[:num_data]
+        centred = features - features.mean(0)
+        x = centred / (centred.std() if dataset == "digits" else centred.std(0))
         super().__init__(
-            name="ppca",
-            title=f"PPCA K={self.latent_dim}, digits ({len(x)} x {x.shape[1]}), local z, "
-            f"{num_blocks} blocks sorted by digit",
+            name="ppca" if dataset == "digits" else "ppca_cancer",
+            title=f"PPCA K={self.latent_dim}, {dataset} ({len(x)} x {x.shape[1]}), local z, "
+            f"{num_blocks} blocks sorted by {'digit' if dataset == 'digits' else 'label'}",
             num_data=len(x),
             blocks=sorted_blocks(labels, num_blocks),
             loss_class=Trace_ELBO,
@@ -547,6 +561,8 @@ def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
         )
     if name == "gmm":
         return GMM(dtype, num_data=5000 if quick else 100_000)
+    if name == "ppca_cancer":
+        return PPCA(dtype, num_blocks=20, dataset="breast_cancer")
     raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")
 
 

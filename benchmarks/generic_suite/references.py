@@ -18,7 +18,7 @@ positive); :func:`compute_reference` minimises it:
   step is ``min(0.25, 0.5 / sqrt(max v))`` (100-node Gauss-Hermite, the usual choice, errs by
   6e-7 at ``v = 25`` and 5e-4 at ``v = 100`` for the same reason; tested). A fixed step of 0.02
   cost ``biglogreg``'s 100,000 rows 6.5 s an evaluation.
-* ``ppca``: coordinate ascent (CAVI: the exact minimiser of q(z) given q(W), then of q(W)
+* ``ppca``, ``ppca_cancer``: coordinate ascent (CAVI: the exact minimiser of q(z) given q(W), then of q(W)
   given q(z), both in closed form) from the methods' initial params, then L-BFGS from its
   fixed point. The model is non-convex; the reference is the stationary point reached from
   the common start.
@@ -220,6 +220,7 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "odlogit": odlogit_neg_elbo,
     "gmm": gmm_neg_elbo,
     "biglogreg": logreg_neg_elbo,
+    "ppca_cancer": ppca_neg_elbo,
 }
 
 #: Each model's param names, locs first, then scales (GMM: means, log-variances, logits).
@@ -232,6 +233,7 @@ PARAM_NAMES: dict[str, list[str]] = {
     "odlogit": auto_names("w", "u"),
     "gmm": ["m", "rho", "alpha"],
     "biglogreg": auto_names("w"),
+    "ppca_cancer": ["W_loc", "z_loc", "W_scale", "z_scale"],
 }
 
 

@@ -35,6 +35,7 @@ SMALL = {
     "scale": lambda: models.NormalScale(F64, num_data=12, num_blocks=3),
     "odlogit": lambda: models.OverdispersedLogistic(F64, num_data=12, num_blocks=3),
     "biglogreg": lambda: models.LargeLogisticRegression(F64, num_data=12, num_blocks=3),
+    "ppca_cancer": lambda: models.PPCA(F64, num_data=8, num_blocks=2, dataset="breast_cancer"),
 }
 
 
@@ -108,6 +109,17 @@ def test_the_late_level_is_the_geometric_mean_of_the_budgets_last_half():
     assert late_geometric_mean(history, "error", 10.0) == pytest.approx(1e-7, rel=1e-12)
     assert late_geometric_mean(history, "error", 10.0, share=0.02) == pytest.approx(1e-8)
     assert late_geometric_mean(history, "other", 10.0) is None
+
+
+def test_ppca_names_its_data_sets():
+    """``ppca_cancer`` is the same PPCA on breast_cancer, each feature standardised; another
+    data set is refused by name."""
+    problem = models.make_problem("ppca_cancer", dtype=F64)
+    assert problem.name == "ppca_cancer" and tuple(problem.x.shape) == (569, 30) and len(problem.blocks) == 20
+    assert torch.allclose(problem.x.std(0), torch.ones(30, dtype=F64))
+    assert float(problem.x.mean(0).abs().max()) < 1e-12
+    with pytest.raises(ValueError, match="'digits' or 'breast_cancer', not 'iris'"):
+        models.PPCA(F64, dataset="iris")
 
 
 class Recorder:
@@ -216,7 +228,7 @@ def test_closed_form_matches_monte_carlo_of_trace_elbo(name):
     params = random_params(problem)
     set_params(params)
     closed = float(references.neg_elbo(problem, params))
-    particles = 2000 if name == "ppca" else 50_000
+    particles = 2000 if name.startswith("ppca") else 50_000
     loss = Trace_ELBO(num_particles=particles, vectorize_particles=True, max_plate_nesting=1)
     batches = torch.tensor([loss.loss(problem.model, guide, None) for _ in range(10)])
     error = float(batches.std()) / math.sqrt(len(batches))
