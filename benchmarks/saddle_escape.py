@@ -39,6 +39,8 @@ odlogit`` measures what the check costs a model with a latent per datum and no s
     python benchmarks/saddle_escape.py --seed 0 --epochs-before 20 --epochs-after 60 --rounds 0
     python benchmarks/saddle_escape.py --seed 0 --epochs-before 20 --epochs-after 40 --rounds 0 \
         --pdvi-config defaults
+    python benchmarks/saddle_escape.py --model ppca_cancer --epochs-before 20 --epochs-after 5 \
+        --hessian lanczos --lanczos-start drift --lanczos-iterations 20 --steps 1 --inner-steps 3 --rounds 1
 """
 
 from __future__ import annotations
@@ -79,7 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the start and the block orders")
     parser.add_argument(
-        "--model", choices=("ppca", "odlogit"), default="ppca", help="a suite model with a latent per datum"
+        "--model",
+        choices=("ppca", "ppca_cancer", "odlogit"),
+        default="ppca",
+        help="a suite model with a latent per datum",
     )
     parser.add_argument("--quick", action="store_true", help="the suite's quick size")
     parser.add_argument(
