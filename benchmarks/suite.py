@@ -26,7 +26,8 @@ Printed per model (and written to ``--out``/report.md): the error at the ``--che
 seconds and at the budget's end, and at equal epochs, for every SVI rate, the best SVI and
 every PDVI configuration (with its ratio to the best SVI); then for all models the cost of a
 step against ``SVI.step``, ``eta="auto"`` against the best fixed eta, whether the objective
-ever rose, and every run that failed or warned. CSVs: history.csv (every record), runs.csv,
+ever rose, every run that failed or warned, and PDVI's saddle checks (also in runs.csv). CSVs:
+history.csv (every record), runs.csv,
 accuracy.csv, cost.csv, eta.csv; plots: ``<model>.png`` (error against seconds and epochs,
 mean and min-max over seeds).
 
@@ -345,6 +346,8 @@ def main(args: argparse.Namespace) -> dict:
             "## eta='auto' against fixed eta (first seed; at the budget's end and over its last half)\n\n"
             + report.eta_table(eta_rows, {k: v[0] for k, v in PLOTTED.items()}),
             "## Runs that failed or warned\n\n" + report.failures_table(all_results),
+            "## PDVI's saddle checks (epoch, wall-clock s; per round: negative Ritz values, the "
+            "smallest, moved)\n\n" + report.saddle_checks_table(all_results),
         ]
         for table in tables:
             print("\n" + table)

@@ -165,6 +165,29 @@ class Fitter:
         """PDVI's step size per group (empty for SVI)."""
         return dict(getattr(self.algo, "step_sizes", {}))
 
+    @property
+    def saddle_checks(self) -> list[dict] | str:
+        """PDVI's saddle checks (:func:`summarise_saddle_checks`; empty for SVI)."""
+        diagnostics = getattr(self.algo, "diagnostics", {})
+        return summarise_saddle_checks(diagnostics.get("saddle_escape", []))
+
+
+def summarise_saddle_checks(checks: list[dict] | str) -> list[dict] | str:
+    """``diagnostics["saddle_escape"]`` as plain numbers for runs.csv: per check its epoch, its
+    wall-clock seconds, and per round the number of negative Ritz values, the smallest, and
+    whether it moved the state (or why the check failed); or the reason the escape does not
+    apply, as it is."""
+    if isinstance(checks, str):
+        return checks
+    summary = []
+    for check in checks:
+        entry = {"epoch": check["epoch"], "seconds": round(check["seconds"], 3)}
+        entry["rounds"] = [[r.negative, r.smallest, r.moved] for r in check["rounds"]]
+        if "failed" in check:
+            entry["failed"] = check["failed"]
+        summary.append(entry)
+    return summary
+
 
 @dataclass(frozen=True)
 class Method:

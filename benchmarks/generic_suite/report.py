@@ -456,6 +456,24 @@ def failures_table(results: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def saddle_checks_table(results: list[RunResult]) -> str:
+    """Per PDVI run that made a saddle check: its checks (``saddle_checks``), one cell each."""
+    lines = ["| model | method | seed | checks |", "|---|---|---|---|"]
+    for r in results:
+        if not isinstance(r.saddle_checks, list) or not r.saddle_checks:
+            continue
+        cells = []
+        for check in r.saddle_checks:
+            rounds = "; ".join(
+                f"{negative}, {smallest:.2g}{', moved' if moved else ''}"
+                for negative, smallest, moved in check["rounds"]
+            )
+            failed = f" failed: {check['failed'][:80]}" if "failed" in check else ""
+            cells.append(f"{check['epoch']} ({check['seconds']:.2f} s): {rounds or '-'}{failed}")
+        lines.append(f"| {r.model} | {r.label} | {r.seed} | {' / '.join(cells).replace('|', '/')} |")
+    return "\n".join(lines)
+
+
 def write_csvs(out: Path, results: list[RunResult], accuracy_rows: list[dict], cost_rows, eta_rows) -> None:
     keys: list[str] = []
     for r in results:
@@ -474,13 +492,14 @@ def write_csvs(out: Path, results: list[RunResult], accuracy_rows: list[dict], c
         writer.writerow(
             ["model", "family", "config", "seed", "status", "epochs", "fit_cpu_s", "fit_wall_s", "steps",
              "median_step_s", "first_step_s", "setup_s", "median_model_calls", "first_model_calls",
-             "step_sizes", "load_before", "load_after", "run_wall_s", "warnings"]
+             "step_sizes", "load_before", "load_after", "run_wall_s", "warnings", "saddle_checks"]
         )  # fmt: skip
         for r in results:
             writer.writerow(
                 [r.model, r.family, r.config, r.seed, r.status, r.epochs, r.seconds, r.fit_wall_seconds,
                  r.num_steps, r.median_step, r.first_step, r.setup_seconds, r.median_calls, r.first_calls,
-                 json.dumps(r.step_sizes), r.load[0], r.load[1], r.wall_seconds, " || ".join(r.warnings)]
+                 json.dumps(r.step_sizes), r.load[0], r.load[1], r.wall_seconds, " || ".join(r.warnings),
+                 json.dumps(r.saddle_checks)]
             )  # fmt: skip
     for name, rows in (("accuracy", accuracy_rows), ("cost", cost_rows), ("eta", eta_rows)):
         if not rows:
@@ -514,6 +533,7 @@ def load_results(folder: Path) -> list[RunResult]:
                     status=row["status"],
                     warnings=[w for w in row["warnings"].split(" || ") if w],
                     step_sizes=json.loads(row["step_sizes"]),
+                    saddle_checks=json.loads(row.get("saddle_checks") or "[]"),  # absent before 13zn
                     load=(float(row["load_before"]), float(row["load_after"])),
                     wall_seconds=float(row["run_wall_s"]),
                     fit_wall_seconds=float(row["fit_wall_s"]),

@@ -45,6 +45,9 @@ class RunResult:
     :param status: ``"ok"``, or what stopped the run early.
     :param warnings: distinct warnings raised during the steps.
     :param step_sizes: PDVI's step size per group after the run (empty for SVI).
+    :param saddle_checks: PDVI's saddle checks
+        (:func:`~benchmarks.generic_suite.baselines.summarise_saddle_checks`), or why there are
+        none; empty for SVI.
     """
 
     model: str
@@ -56,6 +59,7 @@ class RunResult:
     status: str = "ok"
     warnings: list[str] = field(default_factory=list)
     step_sizes: dict[str, float] = field(default_factory=dict)
+    saddle_checks: list[dict] | str = field(default_factory=list)
     load: tuple[float, float] = (math.nan, math.nan)
     wall_seconds: float = 0.0
     fit_wall_seconds: float = 0.0
@@ -180,6 +184,7 @@ def _finish(result: RunResult, fitter, caught, wall_start: float, step_calls: li
     counts = Counter(_warning_text(w) for w in caught)
     result.warnings = [f"{text} (x{n})" for text, n in counts.most_common()] + result.warnings
     result.step_sizes = fitter.step_sizes if fitter is not None else {}
+    result.saddle_checks = fitter.saddle_checks if fitter is not None else []
     result.load = (result.load[0], os.getloadavg()[0])
     result.wall_seconds = time.perf_counter() - wall_start
     result.num_steps = len(result.step_seconds)

@@ -14,15 +14,15 @@ pytest.importorskip("sklearn")
 scipy = pytest.importorskip("scipy")
 
 from benchmarks import suite as suite  # noqa: E402
-from benchmarks.generic_suite import models, references  # noqa: E402
-from benchmarks.generic_suite.baselines import Fitter, Method  # noqa: E402
+from benchmarks.generic_suite import models, references, report  # noqa: E402
+from benchmarks.generic_suite.baselines import Fitter, Method, summarise_saddle_checks  # noqa: E402
 from benchmarks.generic_suite.metrics import (  # noqa: E402
     Scorer,
     align_columns,
     late_geometric_mean,
     procrustes_rotation,
 )
-from benchmarks.generic_suite.runner import run_method  # noqa: E402
+from benchmarks.generic_suite.runner import RunResult, run_method  # noqa: E402
 
 F64 = torch.float64
 
@@ -94,6 +94,10 @@ def test_main_tiny(tmp_path):
     )
     for key in ("accuracy", "cost", "eta"):  # (NaN set-ups of one-step runs compare equal as JSON)
         assert json.dumps(again[key]) == json.dumps(out[key]), key
+    # PDVI's saddle escape does not apply to these models (no latent per datum), and says why.
+    for r, r_again in zip(out["results"], again["results"]):
+        expected = "no local rows that the solves fit" if r.family == "PDVI" else []
+        assert r.saddle_checks == r_again.saddle_checks == expected
     pytest.importorskip("matplotlib")
     assert (tmp_path / "logreg.png").exists() and (tmp_path / "scale.png").exists()
     assert torch.get_default_dtype() == F64  # main restores the default dtype
@@ -120,6 +124,36 @@ def test_ppca_names_its_data_sets():
     assert float(problem.x.mean(0).abs().max()) < 1e-12
     with pytest.raises(ValueError, match="'digits' or 'breast_cancer', not 'iris'"):
         models.PPCA(F64, dataset="iris")
+
+
+def test_the_saddle_checks_are_summarised_for_runs_csv_and_the_report():
+    """``diagnostics["saddle_escape"]``'s checks as plain numbers (JSON both ways), and the
+    report's cell per run."""
+    from pyro_pdvi.infer.saddle_escape import EscapeRound
+
+    checks = [
+        {
+            "epoch": 20,
+            "rounds": [EscapeRound(2, -0.0123, [1.1, 0.0]), EscapeRound(0, 0.003)],
+            "seconds": 7.0512,
+        },
+        {"epoch": 40, "rounds": [], "failed": "RuntimeError: no double backward", "seconds": 0.1},
+    ]
+    summary = summarise_saddle_checks(checks)
+    assert summary == [
+        {"epoch": 20, "seconds": 7.051, "rounds": [[2, -0.0123, True], [0, 0.003, False]]},
+        {"epoch": 40, "seconds": 0.1, "rounds": [], "failed": "RuntimeError: no double backward"},
+    ]
+    assert json.loads(json.dumps(summary)) == summary
+    assert summarise_saddle_checks("off (PDVI.escape_saddles)") == "off (PDVI.escape_saddles)"
+    run = RunResult("ppca", "PDVI", "defaults", 0, saddle_checks=summary)
+    other = RunResult("ppca", "PDVI", "no_escape", 0, saddle_checks="off (PDVI.escape_saddles)")
+    table = report.saddle_checks_table([run, other]).splitlines()
+    assert len(table) == 3 and "no_escape" not in table[2]
+    assert table[2] == (
+        "| ppca | PDVI defaults | 0 | 20 (7.05 s): 2, -0.012, moved; 0, 0.003 / "
+        "40 (0.10 s): - failed: RuntimeError: no double backward |"
+    )
 
 
 class Recorder:
