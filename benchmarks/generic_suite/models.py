@@ -43,6 +43,19 @@ name           model
                are 95% one cluster (:func:`pyro_pdvi.models.make_biased_gmm`),
                ``TraceEnum_ELBO(max_plate_nesting=1, num_particles=16,
                vectorize_particles=True)`` as in the README; N = 100,000 (quick: 5,000)
+``robust``     Student-t linear regression written as a scale mixture, a model none of
+               PDVI's defaults were tuned on (added in session 39): ``scale``'s data and
+               priors, a precision weight per datum ``weight_i ~ Gamma(2, 2)`` (4 degrees
+               of freedom) and ``y_i ~ N(x_i w, sigma^2 / weight_i)``; the guide's
+               q(weight_i) is LogNormal (a positive local latent per datum),
+               ``AutoNormal`` with the data plate, 20 blocks sorted by age,
+               ``Trace_ELBO()``
+``poisson``    Poisson regression with a random intercept per site (a log link: the
+               exponential's curvature), synthetic counts: 2,000 rows over 40 sites, an
+               intercept and 4 covariates, ``w ~ N(0, I)``, ``a_g ~ N(0, tau^2)``,
+               ``tau ~ HalfNormal(1)`` (LogNormal q), ``AutoNormal``, 20 blocks sorted by
+               the first covariate (time), so every block sees most sites; a model none of
+               the defaults were tuned on (session 39)
 ``biglogreg``  ``logreg``'s model at scale: 100,000 synthetic rows (quick: 10,000) of 20
                correlated covariates + intercept, labels from a logistic model with
                coefficients ~ N(0, 0.5^2), ``AutoNormal``, 100 blocks (quick: 10) sorted by
@@ -66,7 +79,19 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_pdvi.checks import check_positive_int
 from pyro_pdvi.models import GMMModel, make_biased_gmm
 
-PROBLEM_NAMES = ("logreg", "ppca", "mixed", "hier", "scale", "odlogit", "gmm", "biglogreg", "ppca_cancer")
+PROBLEM_NAMES = (
+    "logreg",
+    "ppca",
+    "mixed",
+    "hier",
+    "scale",
+    "odlogit",
+    "gmm",
+    "biglogreg",
+    "ppca_cancer",
+    "robust",
+    "poisson",
+)
 
 
 def sorted_blocks(keys: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
@@ -150,7 +175,7 @@ class Problem:
 
     def place(self, device: torch.device | str) -> Problem:
         """Move the run's tensors (data and blocks; not the float64 copies) to ``device``."""
-        for name in ("x", "y", "group"):
+        for name in ("x", "y", "group", "site"):
             if hasattr(self, name):
                 setattr(self, name, getattr(self, name).to(device))
         self.blocks = [block.to(device) for block in self.blocks]
@@ -469,6 +494,100 @@ class NormalScale(Problem):
         return AutoNormal(self.model)
 
 
+class RobustRegression(Problem):
+    """Student-t linear regression as a scale mixture of normals, on ``scale``'s data: each
+    datum has its own precision weight, a positive local latent, ``weight_i ~ Gamma(nu/2,
+    nu/2)``, and ``y_i ~ N(x_i w, sigma^2 / weight_i)``, which integrates to a Student-t with
+    ``nu`` degrees of freedom. Blocks sorted by age."""
+
+    prior_scale = 1.0
+    sigma_prior_scale = 1.0
+    degrees_of_freedom = 4.0
+
+    def __init__(self, dtype: torch.dtype, num_data: int | None = None, num_blocks: int = 20) -> None:
+        from sklearn.datasets import load_diabetes
+
+        raw = load_diabetes()
+        features, x = design_matrix(raw.data, num_data)
+        y = standardise(torch.as_tensor(raw.target, dtype=torch.float64))[:num_data]
+        age = raw.feature_names.index("age")
+        super().__init__(
+            name="robust",
+            title=f"Student-t regression, a Gamma weight per datum (LogNormal q), diabetes "
+            f"({len(x)} x {x.shape[1]}), AutoNormal, {num_blocks} blocks sorted by age",
+            num_data=len(x),
+            blocks=sorted_blocks(features[:, age], num_blocks),
+            loss_class=Trace_ELBO,
+            loss_kwargs={},
+            primary="rmse_mean",
+            data={"x": x, "y": y},
+        )
+        self.x, self.y = x.to(dtype), y.to(dtype)
+
+    def _model(self, idx):
+        zero = self.x.new_zeros(())
+        half_nu = zero + 0.5 * self.degrees_of_freedom
+        w = pyro.sample("w", dist.Normal(zero, self.prior_scale).expand([self.x.shape[1]]).to_event(1))
+        sigma = pyro.sample("sigma", dist.HalfNormal(zero + self.sigma_prior_scale))
+        with pyro.plate("data", self.num_data, subsample=idx) as ind:
+            weight = pyro.sample("weight", dist.Gamma(half_nu, half_nu))
+            mean = (self.x[ind] * w).sum(-1)
+            pyro.sample("y", dist.Normal(mean, sigma * weight.rsqrt()), obs=self.y[ind])
+
+    def make_guide(self):
+        return AutoNormal(self.model, create_plates=_data_plate(self.num_data))
+
+
+class PoissonRandomIntercept(Problem):
+    """Poisson log-linear regression with a Gaussian random intercept per site, synthetic
+    counts, blocks sorted by time (the first covariate): the sites' intercepts are shared
+    across the blocks, and each block sees its own stretch of time."""
+
+    prior_scale = 1.0
+    tau_prior_scale = 1.0
+
+    def __init__(
+        self, dtype: torch.dtype, num_data: int = 2000, num_sites: int = 40, num_blocks: int = 20
+    ) -> None:
+        generator = torch.Generator().manual_seed(0)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+        covariates = randn(num_data, 4)
+        x = torch.cat([torch.ones(num_data, 1, dtype=torch.float64), covariates], 1)
+        site = torch.randint(num_sites, (num_data,), generator=generator)
+        coefficients = torch.tensor([1.0, 0.5, -0.3, 0.2, 0.4], dtype=torch.float64)
+        rate = torch.exp(x @ coefficients + 0.5 * randn(num_sites)[site])
+        y = torch.poisson(rate, generator=generator)
+        super().__init__(
+            name="poisson",
+            title=f"Poisson regression with a random intercept per site, {num_data} rows, "
+            f"{num_sites} sites, AutoNormal, {num_blocks} blocks sorted by time",
+            num_data=num_data,
+            blocks=sorted_blocks(covariates[:, 0], num_blocks),
+            loss_class=Trace_ELBO,
+            loss_kwargs={},
+            primary="rmse_mean",
+            data={"x": x, "y": y, "site": site},
+        )
+        self.num_sites = num_sites
+        self.x, self.y, self.site = x.to(dtype), y.to(dtype), site
+
+    def _model(self, idx):
+        zero = self.x.new_zeros(())
+        w = pyro.sample("w", dist.Normal(zero, self.prior_scale).expand([self.x.shape[1]]).to_event(1))
+        tau = pyro.sample("tau", dist.HalfNormal(zero + self.tau_prior_scale))
+        with pyro.plate("sites", self.num_sites):
+            a = pyro.sample("a", dist.Normal(zero, tau))
+        with pyro.plate("data", self.num_data, subsample=idx) as ind:
+            log_rate = (self.x[ind] * w).sum(-1) + a[..., self.site[ind]]
+            pyro.sample("y", dist.Poisson(log_rate.exp()), obs=self.y[ind])
+
+    def make_guide(self):
+        return AutoNormal(self.model)
+
+
 # --------------------------------------------------------------------------- 6. GMM
 
 
@@ -563,6 +682,10 @@ def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
         return GMM(dtype, num_data=5000 if quick else 100_000)
     if name == "ppca_cancer":
         return PPCA(dtype, num_blocks=20, dataset="breast_cancer")
+    if name == "robust":
+        return RobustRegression(dtype)
+    if name == "poisson":
+        return PoissonRandomIntercept(dtype)
     raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")
 
 
@@ -576,7 +699,9 @@ __all__ = [
     "MixedEffects",
     "NormalScale",
     "OverdispersedLogistic",
+    "PoissonRandomIntercept",
     "Problem",
+    "RobustRegression",
     "make_problem",
     "sorted_blocks",
 ]

@@ -8,16 +8,17 @@ constant, so that it equals the expectation of Pyro's ``Trace_ELBO`` loss on the
 are keyed by their param-store names and given as the *constrained* values (scales
 positive); :func:`compute_reference` minimises it:
 
-* ``logreg``, ``mixed``, ``hier``, ``scale``, ``odlogit``, ``biglogreg``: L-BFGS (scipy) in the
-  unconstrained coordinates ``(loc, log scale)``, then Newton steps with the exact Hessian until
-  the gradient norm is ~1e-10. ``E log sigmoid(t)`` with ``t ~ N(m, v)`` is a 1-D Gaussian
-  quadrature: the trapezoid rule in ``u = (t - m) / sqrt(v)`` on ``[-12, 12]``, exact to ~1e-15
-  for every variance up to hundreds, because ``log sigmoid`` is analytic in a strip of
-  half-width pi around the real axis, a strip of half-width ``pi / sqrt(v)`` in ``u``: the
-  rule's error falls as ``exp(-2 pi a / h)`` for a step ``h`` and any ``a`` below that, so the
-  step is ``min(0.25, 0.5 / sqrt(max v))`` (100-node Gauss-Hermite, the usual choice, errs by
-  6e-7 at ``v = 25`` and 5e-4 at ``v = 100`` for the same reason; tested). A fixed step of 0.02
-  cost ``biglogreg``'s 100,000 rows 6.5 s an evaluation.
+* ``logreg``, ``mixed``, ``hier``, ``scale``, ``odlogit``, ``biglogreg``, ``robust``,
+  ``poisson``: L-BFGS (scipy) in the unconstrained coordinates ``(loc, log scale)``, then
+  Newton steps with the exact Hessian until the gradient norm is ~1e-10. ``E log sigmoid(t)``
+  with ``t ~ N(m, v)`` is a 1-D Gaussian quadrature: the trapezoid rule in ``u = (t - m) /
+  sqrt(v)`` on ``[-12, 12]``, exact to ~1e-15 for every variance up to hundreds, because ``log
+  sigmoid`` is analytic in a strip of half-width pi around the real axis, a strip of half-width
+  ``pi / sqrt(v)`` in ``u``: the rule's error falls as ``exp(-2 pi a / h)`` for a step ``h``
+  and any ``a`` below that, so the step is ``min(0.25, 0.5 / sqrt(max v))`` (100-node
+  Gauss-Hermite, the usual choice, errs by 6e-7 at ``v = 25`` and 5e-4 at ``v = 100`` for the
+  same reason; tested). A fixed step of 0.02 cost ``biglogreg``'s 100,000 rows 6.5 s an
+  evaluation.
 * ``ppca``, ``ppca_cancer``: coordinate ascent (CAVI: the exact minimiser of q(z) given q(W), then of q(W)
   given q(z), both in closed form) from the methods' initial params, then L-BFGS from its
   fixed point. The model is non-convex; the reference is the stationary point reached from
@@ -26,7 +27,9 @@ positive); :func:`compute_reference` minimises it:
 
 Useful closed forms, for ``q = N(m, s^2)`` on ``u = log tau``: ``E[log tau] = m``,
 ``E[tau^-2] = exp(-2m + 2s^2)``, ``E[tau^2] = exp(2m + 2s^2)``, and the entropy of the
-LogNormal ``q(tau)`` is ``m + 1/2 log(2 pi e s^2)``.
+LogNormal ``q(tau)`` is ``m + 1/2 log(2 pi e s^2)``; ``E[tau] = exp(m + s^2 / 2)``, so a
+``Gamma(a, b)`` prior gives ``E log p(tau) = a log b - log Gamma(a) + (a - 1) m - b exp(m +
+s^2 / 2)``; for ``t ~ N(m, v)``, ``E exp(t) = exp(m + v / 2)`` (the Poisson log link).
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ from .models import (
     MixedEffects,
     NormalScale,
     OverdispersedLogistic,
+    PoissonRandomIntercept,
     Problem,
+    RobustRegression,
 )
 
 LOG_2PI = math.log(2 * math.pi)
@@ -205,6 +210,45 @@ def scale_neg_elbo(problem: NormalScale, params: dict[str, torch.Tensor]) -> tor
     return -total
 
 
+def robust_neg_elbo(problem: RobustRegression, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    x, y = problem.data["x"], problem.data["y"]
+    m_w, s_w = params["AutoNormal.locs.w"], params["AutoNormal.scales.w"]
+    m_sigma, s_sigma = params["AutoNormal.locs.sigma"], params["AutoNormal.scales.sigma"]
+    m_weight, s_weight = params["AutoNormal.locs.weight"], params["AutoNormal.scales.weight"]
+    total = expected_normal_log_prob(m_w, s_w, problem.prior_scale) + gaussian_entropy(s_w)
+    total = total + lognormal_site_terms(m_sigma, s_sigma, "halfnormal", problem.sigma_prior_scale)
+    half_nu = 0.5 * problem.degrees_of_freedom
+    weight_mean = torch.exp(m_weight + 0.5 * s_weight.square())
+    weight_prior = half_nu * math.log(half_nu) - math.lgamma(half_nu) + (half_nu - 1) * m_weight
+    total = total + (weight_prior - half_nu * weight_mean).sum() + gaussian_entropy(s_weight) + m_weight.sum()
+    # E log N(y | x w, sigma^2 / weight) = -1/2 log 2 pi - E log sigma + 1/2 E log weight
+    #                                      - 1/2 E[weight] E[sigma^-2] E[(y - x w)^2]
+    square = (y - x @ m_w).square() + x.square() @ s_w.square()
+    inverse_variance = torch.exp(-2 * m_sigma + 2 * s_sigma.square())
+    total = (
+        total
+        + (-0.5 * LOG_2PI - m_sigma + 0.5 * m_weight - 0.5 * inverse_variance * weight_mean * square).sum()
+    )
+    return -total
+
+
+def poisson_neg_elbo(problem: PoissonRandomIntercept, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    x, y, site = problem.data["x"], problem.data["y"], problem.data["site"]
+    m_w, s_w = params["AutoNormal.locs.w"], params["AutoNormal.scales.w"]
+    m_tau, s_tau = params["AutoNormal.locs.tau"], params["AutoNormal.scales.tau"]
+    m_a, s_a = params["AutoNormal.locs.a"], params["AutoNormal.scales.a"]
+    total = expected_normal_log_prob(m_w, s_w, problem.prior_scale) + gaussian_entropy(s_w)
+    total = total + lognormal_site_terms(m_tau, s_tau, "halfnormal", problem.tau_prior_scale)
+    inverse_variance = torch.exp(-2 * m_tau + 2 * s_tau.square())
+    total = total + (-0.5 * LOG_2PI - m_tau - 0.5 * inverse_variance * (m_a.square() + s_a.square())).sum()
+    total = total + gaussian_entropy(s_a)
+    log_rate_mean = x @ m_w + m_a[site]
+    log_rate_variance = x.square() @ s_w.square() + s_a[site].square()
+    expected_rate = torch.exp(log_rate_mean + 0.5 * log_rate_variance)
+    total = total + (y * log_rate_mean - expected_rate - torch.lgamma(y + 1)).sum()
+    return -total
+
+
 def gmm_neg_elbo(problem: GMM, params: dict[str, torch.Tensor]) -> torch.Tensor:
     """:func:`pyro_pdvi.models.negative_elbo` at the params (``alpha`` normalised first)."""
     alpha = torch.log_softmax(params["alpha"], -1)
@@ -221,6 +265,8 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "gmm": gmm_neg_elbo,
     "biglogreg": logreg_neg_elbo,
     "ppca_cancer": ppca_neg_elbo,
+    "robust": robust_neg_elbo,
+    "poisson": poisson_neg_elbo,
 }
 
 #: Each model's param names, locs first, then scales (GMM: means, log-variances, logits).
@@ -234,6 +280,8 @@ PARAM_NAMES: dict[str, list[str]] = {
     "gmm": ["m", "rho", "alpha"],
     "biglogreg": auto_names("w"),
     "ppca_cancer": ["W_loc", "z_loc", "W_scale", "z_scale"],
+    "robust": auto_names("w", "sigma", "weight"),
+    "poisson": auto_names("w", "tau", "a"),
 }
 
 

@@ -17,7 +17,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .baselines import PDVI_CONFIGS
-from .metrics import GAP_METRICS, PLOTTED, at_epoch, at_seconds, late_geometric_mean, objective_rises
+from .metrics import (
+    DEFAULT_STANDING,
+    GAP_METRICS,
+    PLOTTED,
+    STANDING,
+    at_epoch,
+    at_seconds,
+    late_geometric_mean,
+    objective_rises,
+)
 from .runner import RunResult
 
 
@@ -191,6 +200,23 @@ class ModelReport:
             row["best_svi_at_equal_epochs"] = best_svi(groups, self.primary, epoch=equal)[0]
         return row
 
+    def standing_row(self) -> dict:
+        """README's cells: at each checkpoint, PDVI defaults' mean error over the best SVI's (the
+        best configuration picked per metric and checkpoint), for each of the model's
+        :data:`~.metrics.STANDING` metrics; ``None`` where either has no value."""
+        groups = self.main_groups()
+        metrics = STANDING.get(self.problem.name, DEFAULT_STANDING)
+        row = {"model": self.problem.name, "metrics": metrics, "ratios": {}}
+        defaults = groups.get("PDVI defaults")
+        for t in self.checkpoints:
+            ratios = []
+            for metric in metrics:
+                value = mean_at(defaults, metric, seconds=t) if defaults else None
+                best = best_svi(groups, metric, seconds=t)[0]
+                ratios.append(value / best if value is not None and best is not None and best > 0 else None)
+            row["ratios"][t] = ratios
+        return row
+
     # ------------------------------------------------------------------ table 2: cost per step
 
     def cost_row(self) -> dict:
@@ -355,6 +381,30 @@ def summary_table(rows: list[dict]) -> str:
             fmt(best_at_e),
             row["defaults_status"].replace("|", "/")[:120],
         ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def standing_table(rows: list[dict], cost_rows: list[dict]) -> str:
+    """README's "Where it stands": per model and checkpoint, PDVI defaults' errors over the best
+    SVI's (means / sds / ELBO gap, :data:`~.metrics.STANDING`), and a step's cost over
+    ``SVI.step``'s. Models whose checkpoints differ (the GMM) get their own header."""
+    cost = {row["model"]: row["defaults_step"] / row["svi_step"] for row in cost_rows}
+    lines, header = [], None
+    for row in rows:
+        checkpoints = list(row["ratios"])
+        if checkpoints != header:
+            header = checkpoints
+            lines += [
+                "| model (metrics) | "
+                + " | ".join(f"{fmt(t)} s" for t in checkpoints)
+                + " | PDVI step / SVI step |",
+                "|---|" + "---|" * (len(checkpoints) + 1),
+            ]
+        cells = [f"{row['model']} ({' / '.join(row['metrics'])})"]
+        cells += [" / ".join(fmt(r, 2) for r in row["ratios"][t]) for t in checkpoints]
+        step = cost.get(row["model"], math.nan)
+        cells.append(f"{step:.2g}x" if math.isfinite(step) else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

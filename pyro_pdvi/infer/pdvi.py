@@ -1216,11 +1216,13 @@ class PDVI(StepSizeUpkeep):
 
     @property
     def whitened_sites(self) -> list[str]:
-        """The global sites that have a dense penalty (:mod:`~pyro_pdvi.infer.whitening`): empty
+        """The global sites that have a dense penalty (:mod:`~pyro_pdvi.infer.whitening`; sites
+        whitened as one group, :func:`~pyro_pdvi.infer.whitening.joint_group`, each named): empty
         before every block is measured, or where none is whitened."""
         if not isinstance(self._coupling, SiteWhitening):
             return []
-        return [self.layout.site_of(int(index[0])) for index in self._coupling.coordinates]
+        sites = (self.layout.site_of(int(j)) for index in self._coupling.coordinates for j in index)
+        return list(dict.fromkeys(sites))
 
     @property
     def round_sites(self) -> dict[str, float]:

@@ -368,10 +368,11 @@ class AutoStepSize:
     :param curvature_blocks: how many blocks are measured (the max is used).
     :param curvature_iterations: power iterations per group and block.
     :param whiten: under the natural rule, whether the small global sites (2 to
-        :data:`~pyro_pdvi.infer.whitening.MAX_WHITENED_COORDINATES` coordinates) get a dense
-        penalty, ``F_s / (c n)`` with ``F_s`` the blocks' summed Hessian on the site measured at
-        the end of the first epoch, where a diagonal one leaves ``F_s`` ill-conditioned
-        (:mod:`~pyro_pdvi.infer.whitening`).
+        :data:`~pyro_pdvi.infer.whitening.MAX_WHITENED_COORDINATES` coordinates; all sites as one
+        group where they have that many together, :func:`~pyro_pdvi.infer.whitening.joint_group`)
+        get a dense penalty, ``F_s / (c n)`` with ``F_s`` the blocks' summed Hessian on the site
+        measured at the end of the first epoch, where a diagonal one leaves ``F_s``
+        ill-conditioned (:mod:`~pyro_pdvi.infer.whitening`).
     :param whitened_scale: the constant ``c`` of the natural rule on a whitened site (a dense
         penalty's best constant was 0.125-0.25 on every model of ``docs/benchmarks.md`` 13zb's
         quadratic model).

@@ -40,7 +40,7 @@ from .hessian_products import hessian_products
 from .safeguard import RISES
 from .solvers import GenericSolver
 from .step_sizes import DEFAULT_SCALES, diagonal_curvature, round_site_scale
-from .whitening import FIRST_BLOCKS, MAX_WHITENED_COORDINATES, measure_whitening, site_hessians
+from .whitening import FIRST_BLOCKS, MAX_WHITENED_COORDINATES, joint_group, measure_whitening, site_hessians
 
 #: Where the model's graph has no usable second derivative, the coupling's Hessian products are
 #: central differences of the gradient with this step, relative to ``1 + max|lambda_0|``: large
@@ -373,9 +373,11 @@ class StepSizeUpkeep:
         (:mod:`~pyro_pdvi.infer.whitening`) and carry the state into its coordinates. Only the
         generic solver's, in one process, where no coordinates are coupled, and only coordinates
         under the natural rule that the solves move (not a held scale), that many blocks inform
-        (not a concentrated one): a site of 2 to ``MAX_WHITENED_COORDINATES`` of them. Each
-        block's Hessian is measured at ``lambda_0``, on at most :data:`WHITENING_ROWS` of its data
-        (all of them where the model does not take a subset).
+        (not a concentrated one): a site of 2 to ``MAX_WHITENED_COORDINATES`` of them, or all the
+        sites as one group where they have that many together
+        (:func:`~pyro_pdvi.infer.whitening.joint_group`). Each block's Hessian is measured at
+        ``lambda_0``, on at most :data:`WHITENING_ROWS` of its data (all of them where the model
+        does not take a subset).
 
         A site that a diagonal penalty already leaves round (a site of one such coordinate
         included) is not mapped, but may take a stiffer constant (:meth:`_set_round_sites_scale`),
@@ -392,7 +394,7 @@ class StepSizeUpkeep:
         state = self._state
         eligible = self._not_held(self._step_sizes.natural_coordinates().to(state.concentrated.device))
         eligible &= ~state.concentrated & (state.information_total > 0)
-        coordinates = self._site_coordinates(eligible, smallest=1)
+        coordinates = joint_group(self._site_coordinates(eligible, smallest=1))
         round_sites = [c for c in coordinates if len(c) == 1]
         coordinates = [c for c in coordinates if len(c) >= 2]
         whitening = None

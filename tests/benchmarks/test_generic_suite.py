@@ -36,6 +36,8 @@ SMALL = {
     "odlogit": lambda: models.OverdispersedLogistic(F64, num_data=12, num_blocks=3),
     "biglogreg": lambda: models.LargeLogisticRegression(F64, num_data=12, num_blocks=3),
     "ppca_cancer": lambda: models.PPCA(F64, num_data=8, num_blocks=2, dataset="breast_cancer"),
+    "robust": lambda: models.RobustRegression(F64, num_data=12, num_blocks=3),
+    "poisson": lambda: models.PoissonRandomIntercept(F64, num_data=12, num_sites=3, num_blocks=3),
 }
 
 
@@ -92,7 +94,20 @@ def test_main_tiny(tmp_path):
     again = suite.main(
         suite.parse_args([*argv, "--report-from", str(tmp_path), "--out", str(tmp_path / "again")])
     )
-    for key in ("accuracy", "cost", "eta"):  # (NaN set-ups of one-step runs compare equal as JSON)
+    # README's standing: defaults over the best SVI, per metric and checkpoint, and the report's table.
+    for row in out["standing"]:
+        assert row["metrics"] == ("rmse_mean", "sd_error", "elbo_gap") and list(row["ratios"]) == [0.1, 0.3]
+        groups = {r.label: [r] for r in out["results"] if r.model == row["model"]}
+        best = min(report.mean_at(groups[k], "sd_error", seconds=0.3) for k in groups if k.startswith("SVI"))
+        defaults = report.mean_at(groups["PDVI defaults"], "sd_error", seconds=0.3)
+        assert row["ratios"][0.3][1] == pytest.approx(defaults / best)
+    assert "## Where it stands" in (tmp_path / "report.md").read_text()
+    for key in (
+        "accuracy",
+        "cost",
+        "eta",
+        "standing",
+    ):  # (NaN set-ups of one-step runs compare equal as JSON)
         assert json.dumps(again[key]) == json.dumps(out[key]), key
     # PDVI's saddle escape does not apply to these models (no latent per datum), and says why.
     for r, r_again in zip(out["results"], again["results"]):

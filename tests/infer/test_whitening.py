@@ -13,6 +13,7 @@ from pyro_pdvi.infer.whitening import (
     FIRST_BLOCKS,
     SiteWhitening,
     diagonal_condition,
+    joint_group,
     measure_whitening,
     site_hessians,
 )
@@ -330,3 +331,81 @@ def test_a_round_site_keeps_its_constant_where_the_model_has_local_sites_or_the_
     resumed = resume(pdvi, problem)
     resumed.step(problem.blocks[0])
     assert torch.equal(resumed._step_sizes.site_scales, pdvi._step_sizes.site_scales)
+
+
+def test_sites_of_at_most_64_coordinates_together_are_one_group():
+    sites = [torch.tensor([4, 5]), torch.tensor([0]), torch.tensor([7, 8, 9])]
+    assert torch.equal(joint_group(sites)[0], torch.tensor([0, 4, 5, 7, 8, 9]))
+    assert len(joint_group(sites)) == 1
+    assert joint_group(sites[:1]) == sites[:1]
+    large = [torch.arange(40), torch.arange(40, 65)]
+    assert joint_group(large) == large
+
+
+class SiteIntercepts:
+    """``y_i = w_0 + w_1 x_i + a_{g(i)} + noise`` (noise sd 0.5) with ``a_g ~ N(0, 0.3^2)``, ``w ~
+    N(0, I)``, 8 sites spread over 6 blocks sorted by ``x``: the intercept and the sites' effects
+    are tied along ``w_0 - c, a + c``, which only the priors fix, though neither site is ill
+    conditioned alone. Gaussian with fixed scales: the mean-field optimum's means are the
+    posterior means, a linear solve."""
+
+    num_sites, effect_scale, noise_scale = 8, 0.3, 0.5
+
+    def __init__(self, num_data: int = 160, num_blocks: int = 6) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(num_data, generator=g, dtype=torch.float64)
+        self.site = torch.randint(self.num_sites, (num_data,), generator=g)
+        effects = self.effect_scale * torch.randn(self.num_sites, generator=g, dtype=torch.float64)
+        self.y = 1.0 + 0.5 * self.x + effects[self.site]
+        self.y = self.y + self.noise_scale * torch.randn(num_data, generator=g, dtype=torch.float64)
+        self.blocks = [chunk.sort().values for chunk in self.x.argsort().tensor_split(num_blocks)]
+        design = torch.cat(
+            [torch.ones(num_data, 1, dtype=torch.float64), self.x[:, None],
+             torch.nn.functional.one_hot(self.site, self.num_sites).double()], 1,
+        )  # fmt: skip
+        prior = torch.cat([torch.ones(2), torch.full((self.num_sites,), self.effect_scale**-2)]).double()
+        precision = design.T @ design / self.noise_scale**2 + torch.diag(prior)
+        self.mean = torch.linalg.solve(precision, design.T @ self.y / self.noise_scale**2)
+
+    def model(self, idx: torch.Tensor) -> None:
+        w = pyro.sample("w", dist.Normal(self.x.new_zeros(2), 1.0).to_event(1))
+        with pyro.plate("sites", self.num_sites):
+            a = pyro.sample("a", dist.Normal(self.x.new_zeros(()), self.effect_scale))
+        with pyro.plate("data", len(self.y), subsample=idx) as ind:
+            mean = w[..., 0:1] + w[..., 1:2] * self.x[ind] + a[..., self.site[ind]]
+            pyro.sample("y", dist.Normal(mean, self.noise_scale), obs=self.y[ind])
+
+    def error(self) -> float:
+        means = torch.cat([pyro.param("AutoNormal.locs.w"), pyro.param("AutoNormal.locs.a")]).detach()
+        return float((means - self.mean).abs().max())
+
+    def fit(self, epochs: int, seed: int = 0) -> PDVI:
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        pdvi = PDVI(self.model, AutoNormal(self.model), pyro.optim.Adam({}), Trace_ELBO(), blocks=self.blocks)
+        order = torch.Generator().manual_seed(seed + 1)
+        for _ in range(epochs):
+            for b in torch.randperm(len(self.blocks), generator=order).tolist():
+                pdvi.step(self.blocks[b])
+        return pdvi
+
+
+def test_sites_tied_to_each_other_are_whitened_together(monkeypatch):
+    """The intercept and the sites' effects as one group: both sites whitened, the means at the
+    exact posterior means, and after 10 epochs at least 10x closer than with a dense penalty per
+    site (where neither is whitened), on each of three seeds (measured: the largest error of a
+    mean 5.8e-4 / 3.5e-3 / 2.4e-4 against 0.070 / 0.074 / 0.031; after 40 epochs 5.6e-9 / 4.3e-8 /
+    7.5e-10 against 1.6e-3 / 3.4e-3 / 2.2e-3)."""
+    problem = SiteIntercepts()
+    joint = []
+    for seed in range(3):
+        pdvi = problem.fit(10, seed)
+        assert sorted(pdvi.whitened_sites) == ["AutoNormal.locs.a", "AutoNormal.locs.w"]
+        joint.append(problem.error())
+    with monkeypatch.context() as patch:
+        patch.setattr(upkeep, "joint_group", lambda sites: sites)
+        for seed in range(3):
+            assert problem.fit(10, seed).whitened_sites == []
+            assert joint[seed] < 0.1 * problem.error(), (seed, joint[seed], problem.error())
+    problem.fit(40)
+    assert problem.error() < 1e-6
