@@ -9,8 +9,10 @@ normal of README, 20 blocks sorted by x, one particle), ``scale`` (linear regres
 unknown noise sd whose guide is LogNormal, diabetes, 20 blocks sorted by bmi), ``odlogit``
 (``logreg`` with a Gaussian random effect per datum on the logit, a local latent), ``gmm``
 (the flagship's GMM through the generic Pyro path, N = 100,000 in blocks of 1,000),
-``biglogreg`` (a logistic regression on 100,000 rows in 100 blocks) and ``ppca_cancer`` (the
-PPCA on breast_cancer, 20 blocks sorted by label).
+``biglogreg`` (a logistic regression on 100,000 rows in 100 blocks), ``ppca_cancer`` (the
+PPCA on breast_cancer, 20 blocks sorted by label), ``robust`` (a Student-t regression with a
+Gamma weight per datum, diabetes, 20 blocks sorted by age) and ``poisson`` (Poisson regression
+with a random intercept per site, 20 blocks sorted by time).
 
 Each model has an independent reference: the optimum of its mean-field family, from the
 closed-form ELBO (L-BFGS and Newton, CAVI for PPCA, full-batch CAVI for the GMM), in float64.

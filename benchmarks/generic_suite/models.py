@@ -54,8 +54,10 @@ name           model
                exponential's curvature), synthetic counts: 2,000 rows over 40 sites, an
                intercept and 4 covariates, ``w ~ N(0, I)``, ``a_g ~ N(0, tau^2)``,
                ``tau ~ HalfNormal(1)`` (LogNormal q), ``AutoNormal``, 20 blocks sorted by
-               the first covariate (time), so every block sees most sites; a model none of
-               the defaults were tuned on (session 39)
+               the first covariate (time), so every block sees most sites; added in
+               session 39 as a model the defaults had not seen, where PDVI was behind
+               until the whitening saw the ties between sites (``docs/benchmarks.md``
+               13zo)
 ``biglogreg``  ``logreg``'s model at scale: 100,000 synthetic rows (quick: 10,000) of 20
                correlated covariates + intercept, labels from a logistic model with
                coefficients ~ N(0, 0.5^2), ``AutoNormal``, 100 blocks (quick: 10) sorted by
