@@ -59,6 +59,7 @@ PLOTTED = {
     "ppca_cancer": ("elbo_gap", "elbo_gap_resolved"),
     "robust": ("rmse_mean", "sd_error"),
     "poisson": ("rmse_mean", "sd_error"),
+    "poisson200": ("rmse_mean", "sd_error"),
 }
 
 #: Per model: the three errors of README's standing (the posterior means, the standard

@@ -58,6 +58,9 @@ name           model
                session 39 as a model the defaults had not seen, where PDVI was behind
                until the whitening saw the ties between sites (``docs/benchmarks.md``
                13zo)
+``poisson200`` the same model with 200 sites and 10,000 rows: 206 coordinates of tied sites,
+               more than the whitening takes as one group (64), so the tie of the intercept
+               and the sites' effects is left to the diagonal penalty (13zo)
 ``biglogreg``  ``logreg``'s model at scale: 100,000 synthetic rows (quick: 10,000) of 20
                correlated covariates + intercept, labels from a logistic model with
                coefficients ~ N(0, 0.5^2), ``AutoNormal``, 100 blocks (quick: 10) sorted by
@@ -93,6 +96,7 @@ PROBLEM_NAMES = (
     "ppca_cancer",
     "robust",
     "poisson",
+    "poisson200",
 )
 
 
@@ -549,7 +553,12 @@ class PoissonRandomIntercept(Problem):
     tau_prior_scale = 1.0
 
     def __init__(
-        self, dtype: torch.dtype, num_data: int = 2000, num_sites: int = 40, num_blocks: int = 20
+        self,
+        dtype: torch.dtype,
+        num_data: int = 2000,
+        num_sites: int = 40,
+        num_blocks: int = 20,
+        name: str = "poisson",
     ) -> None:
         generator = torch.Generator().manual_seed(0)
 
@@ -563,7 +572,7 @@ class PoissonRandomIntercept(Problem):
         rate = torch.exp(x @ coefficients + 0.5 * randn(num_sites)[site])
         y = torch.poisson(rate, generator=generator)
         super().__init__(
-            name="poisson",
+            name=name,
             title=f"Poisson regression with a random intercept per site, {num_data} rows, "
             f"{num_sites} sites, AutoNormal, {num_blocks} blocks sorted by time",
             num_data=num_data,
@@ -688,6 +697,8 @@ def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
         return RobustRegression(dtype)
     if name == "poisson":
         return PoissonRandomIntercept(dtype)
+    if name == "poisson200":
+        return PoissonRandomIntercept(dtype, num_data=10_000, num_sites=200, name="poisson200")
     raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")
 
 

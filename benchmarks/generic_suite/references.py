@@ -267,6 +267,7 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "ppca_cancer": ppca_neg_elbo,
     "robust": robust_neg_elbo,
     "poisson": poisson_neg_elbo,
+    "poisson200": poisson_neg_elbo,
 }
 
 #: Each model's param names, locs first, then scales (GMM: means, log-variances, logits).
@@ -282,6 +283,7 @@ PARAM_NAMES: dict[str, list[str]] = {
     "ppca_cancer": ["W_loc", "z_loc", "W_scale", "z_scale"],
     "robust": auto_names("w", "sigma", "weight"),
     "poisson": auto_names("w", "tau", "a"),
+    "poisson200": auto_names("w", "tau", "a"),
 }
 
 
