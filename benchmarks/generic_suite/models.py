@@ -58,9 +58,11 @@ name           model
                session 39 as a model the defaults had not seen, where PDVI was behind
                until the whitening saw the ties between sites (``docs/benchmarks.md``
                13zo)
-``poisson200`` the same model with 200 sites and 10,000 rows: 206 coordinates of tied sites,
-               more than the whitening takes as one group (64), so the tie of the intercept
-               and the sites' effects is left to the diagonal penalty (13zo)
+``poisson200`` the same model with 200 sites and 10,000 rows (50 a site): 206 coordinates of
+               tied sites, more than the whitening measures by unit vectors (64); the
+               sites' effects are measured by probes (13zo)
+``poisson200_few`` the same 200 sites with 2,000 rows (10 a site): the priors pull the sites'
+               effects more, and the tie is weaker (13zo)
 ``biglogreg``  ``logreg``'s model at scale: 100,000 synthetic rows (quick: 10,000) of 20
                correlated covariates + intercept, labels from a logistic model with
                coefficients ~ N(0, 0.5^2), ``AutoNormal``, 100 blocks (quick: 10) sorted by
@@ -97,6 +99,7 @@ PROBLEM_NAMES = (
     "robust",
     "poisson",
     "poisson200",
+    "poisson200_few",
 )
 
 
@@ -699,6 +702,8 @@ def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
         return PoissonRandomIntercept(dtype)
     if name == "poisson200":
         return PoissonRandomIntercept(dtype, num_data=10_000, num_sites=200, name="poisson200")
+    if name == "poisson200_few":
+        return PoissonRandomIntercept(dtype, num_data=2000, num_sites=200, name="poisson200_few")
     raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")
 
 

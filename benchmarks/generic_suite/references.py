@@ -268,6 +268,7 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "robust": robust_neg_elbo,
     "poisson": poisson_neg_elbo,
     "poisson200": poisson_neg_elbo,
+    "poisson200_few": poisson_neg_elbo,
 }
 
 #: Each model's param names, locs first, then scales (GMM: means, log-variances, logits).
@@ -284,6 +285,7 @@ PARAM_NAMES: dict[str, list[str]] = {
     "robust": auto_names("w", "sigma", "weight"),
     "poisson": auto_names("w", "tau", "a"),
     "poisson200": auto_names("w", "tau", "a"),
+    "poisson200_few": auto_names("w", "tau", "a"),
 }
 
 

@@ -40,7 +40,16 @@ from .hessian_products import hessian_products
 from .safeguard import RISES
 from .solvers import GenericSolver
 from .step_sizes import DEFAULT_SCALES, diagonal_curvature, round_site_scale
-from .whitening import FIRST_BLOCKS, MAX_WHITENED_COORDINATES, joint_group, measure_whitening, site_hessians
+from .whitening import (
+    FIRST_BLOCKS,
+    MAX_JOINT_COORDINATES,
+    MAX_WHITENED_COORDINATES,
+    joint_group,
+    measure_whitening,
+    probed_block_hessians,
+    probes_apply,
+    site_hessians,
+)
 
 #: Where the model's graph has no usable second derivative, the coupling's Hessian products are
 #: central differences of the gradient with this step, relative to ``1 + max|lambda_0|``: large
@@ -334,13 +343,15 @@ class StepSizeUpkeep:
             and isinstance(self.solver, GenericSolver)
         )
 
-    def _site_coordinates(self, eligible: torch.Tensor, smallest: int) -> list[torch.Tensor]:
+    def _site_coordinates(
+        self, eligible: torch.Tensor, smallest: int, largest: int = MAX_WHITENED_COORDINATES
+    ) -> list[torch.Tensor]:
         """Each global site's ``eligible`` coordinates (a flat mask), for the sites that have
-        ``smallest`` to :data:`MAX_WHITENED_COORDINATES` of them."""
+        ``smallest`` to ``largest`` of them."""
         every_coordinate = torch.arange(eligible.numel())
         eligible = eligible.cpu()
         coordinates = [every_coordinate[span][eligible[span]] for span in self.layout.slices.values()]
-        return [c for c in coordinates if smallest <= len(c) <= MAX_WHITENED_COORDINATES]
+        return [c for c in coordinates if smallest <= len(c) <= largest]
 
     def _site_products(
         self, args: tuple, kwargs: dict, seed: int
@@ -375,9 +386,11 @@ class StepSizeUpkeep:
         under the natural rule that the solves move (not a held scale), that many blocks inform
         (not a concentrated one): a site of 2 to ``MAX_WHITENED_COORDINATES`` of them, or all the
         sites as one group where they have that many together
-        (:func:`~pyro_pdvi.infer.whitening.joint_group`). Each block's Hessian is measured at
-        ``lambda_0``, on at most :data:`WHITENING_ROWS` of its data (all of them where the model
-        does not take a subset).
+        (:func:`~pyro_pdvi.infer.whitening.joint_group`), or up to ``MAX_JOINT_COORDINATES``
+        where the large sites' own Hessians are diagonal, measured by probes
+        (:func:`~pyro_pdvi.infer.whitening.probed_block_hessians`). Each block's Hessian is
+        measured at ``lambda_0``, on at most :data:`WHITENING_ROWS` of its data (all of them where
+        the model does not take a subset).
 
         A site that a diagonal penalty already leaves round (a site of one such coordinate
         included) is not mapped, but may take a stiffer constant (:meth:`_set_round_sites_scale`),
@@ -394,24 +407,32 @@ class StepSizeUpkeep:
         state = self._state
         eligible = self._not_held(self._step_sizes.natural_coordinates().to(state.concentrated.device))
         eligible &= ~state.concentrated & (state.information_total > 0)
-        coordinates = joint_group(self._site_coordinates(eligible, smallest=1))
-        round_sites = [c for c in coordinates if len(c) == 1]
-        coordinates = [c for c in coordinates if len(c) >= 2]
-        whitening = None
-        if coordinates:
-            products = self._site_products(args, kwargs, self._side_seed(-6))
+        sites = self._site_coordinates(eligible, 1, MAX_JOINT_COORDINATES)
+        products = self._site_products(args, kwargs, self._side_seed(-6))
+        hessians = None
+        if probes_apply(sites):
             with self._objective.one_off():
-                coordinates, hessians, found_round = site_hessians(
-                    products, len(self.partition), coordinates, state.consensus
-                )
-            round_sites += found_round
-            if coordinates and bool(torch.isfinite(hessians).all()):
-                auto = self.auto_step_size
-                size = state.consensus.numel()
-                whitening, found_round = measure_whitening(
-                    hessians, coordinates, size, auto.whitened_scale / auto.scale
-                )
+                hessians = probed_block_hessians(products, len(self.partition), sites, state.consensus)
+        if hessians is not None:
+            coordinates, round_sites = joint_group(sites, MAX_JOINT_COORDINATES), []
+        else:
+            coordinates = joint_group([c for c in sites if len(c) <= MAX_WHITENED_COORDINATES])
+            round_sites = [c for c in coordinates if len(c) == 1]
+            coordinates = [c for c in coordinates if len(c) >= 2]
+            if coordinates:
+                with self._objective.one_off():
+                    coordinates, hessians, found_round = site_hessians(
+                        products, len(self.partition), coordinates, state.consensus
+                    )
                 round_sites += found_round
+        whitening = None
+        if coordinates and hessians is not None and bool(torch.isfinite(hessians).all()):
+            auto = self.auto_step_size
+            size = state.consensus.numel()
+            whitening, found_round = measure_whitening(
+                hessians, coordinates, size, auto.whitened_scale / auto.scale
+            )
+            round_sites += found_round
         self._set_round_sites_scale(round_sites)
         if whitening is None:
             self._apply_step_sizes()

@@ -23,10 +23,11 @@ fixed point. A whitened coordinate's step size is the natural rule's times ``F_j
 ``whitened_scale / scale``: the constant of :class:`~pyro_pdvi.infer.step_sizes.AutoStepSize`
 that a dense penalty takes.
 
-Where the candidate sites have at most :data:`MAX_WHITENED_COORDINATES` coordinates together,
+Where the candidate sites have at most :data:`MAX_JOINT_COORDINATES` coordinates together,
 they are one group, with one dense penalty (:func:`joint_group`): it then also sees the ties
-between sites, an intercept's with a random intercept per site of the data. Elsewhere "site"
-below reads "group".
+between sites, an intercept's with a random intercept per site of the data; its large sites are
+measured by two probes each where their own Hessian is diagonal (:func:`probed_block_hessians`).
+Elsewhere "site" below reads "group".
 
 ``F_s`` is measured once, when every block has had its first step (at the end of the first
 epoch), from every block's Hessian products with the unit vectors of the candidate coordinates at
@@ -52,22 +53,120 @@ from .coupling import unit_vectors
 MAX_WHITENED_COORDINATES = 64
 
 
-def joint_group(sites: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The candidate sites' coordinates as one group where together they have at most
-    :data:`MAX_WHITENED_COORDINATES` (else each site its own group): one dense penalty then also
-    sees the ties between sites, which a site's own cannot. A regression's intercept and a
-    random intercept per site of the data (``a_g``) are tied along the direction that adds ``c``
-    to every ``a_g`` and takes it from the intercept, which only the priors fix: measured on the
-    suite's Poisson model (``docs/benchmarks.md`` 13zo), no site alone was ill-conditioned and
-    that direction crawled (the intercept still 0.18 off after 40 epochs), where the joint group's
-    penalty had it at the optimum by epoch 12.
+#: Sites are whitened as one group where they have at most this many coordinates together
+#: (:func:`joint_group`), and those of them with more than :data:`MAX_UNIT_VECTOR_SITE`
+#: coordinates each are measured by probes (:func:`probed_block_hessians`).
+MAX_JOINT_COORDINATES = 256
+
+#: In a joint group, a site of at most this many coordinates is measured by its unit vectors; a
+#: larger one by two probes, where its own Hessian is diagonal (:func:`probed_block_hessians`).
+MAX_UNIT_VECTOR_SITE = 16
+
+
+def joint_group(sites: list[torch.Tensor], limit: int = MAX_WHITENED_COORDINATES) -> list[torch.Tensor]:
+    """The candidate sites' coordinates as one group where there are two sites or more with at
+    most ``limit`` together (else each site of at most :data:`MAX_WHITENED_COORDINATES` its own
+    group): one dense penalty then also sees the ties between sites, which a site's own cannot. A
+    regression's intercept and a random intercept per site of the data (``a_g``) are tied along
+    the direction that adds ``c`` to every ``a_g`` and takes it from the intercept, which only the
+    priors fix: measured on the suite's Poisson model (``docs/benchmarks.md`` 13zo), no site
+    alone was ill-conditioned (condition numbers 1.0 and 3.1, together 1,752) and that direction
+    crawled (the intercept still 0.18 off after 40 epochs), where the joint group's penalty had
+    it at the optimum by epoch 12.
 
     :param sites: each candidate site's flat coordinates, in the layout's order.
-    :returns: ``[all of them, sorted]``, or ``sites`` as given.
+    :param limit: the most coordinates of a group: :data:`MAX_WHITENED_COORDINATES` where each
+        is measured by its unit vector, :data:`MAX_JOINT_COORDINATES` where large sites are
+        probed (:func:`probes_apply`).
+    :returns: ``[all of them, sorted]``, or the sites of at most
+        :data:`MAX_WHITENED_COORDINATES` coordinates as given.
     """
-    if len(sites) < 2 or sum(len(c) for c in sites) > MAX_WHITENED_COORDINATES:
-        return sites
-    return [torch.cat(sites).sort().values]
+    if len(sites) >= 2 and sum(len(c) for c in sites) <= limit:
+        return [torch.cat(sites).sort().values]
+    return [c for c in sites if len(c) <= MAX_WHITENED_COORDINATES]
+
+
+def probes_apply(sites: list[torch.Tensor]) -> bool:
+    """Whether ``sites`` form a joint group whose large sites :func:`probed_block_hessians` would
+    measure by probes: two sites or more, at most :data:`MAX_JOINT_COORDINATES` coordinates
+    together, at least one site of more than :data:`MAX_UNIT_VECTOR_SITE`, and at most
+    :data:`MAX_WHITENED_COORDINATES` unit vectors for the others."""
+    sizes = [len(c) for c in sites]
+    small = sum(k for k in sizes if k <= MAX_UNIT_VECTOR_SITE)
+    return (
+        len(sites) >= 2
+        and sum(sizes) <= MAX_JOINT_COORDINATES
+        and max(sizes) > MAX_UNIT_VECTOR_SITE
+        and small <= MAX_WHITENED_COORDINATES
+    )
+
+
+def probed_block_hessians(
+    products: Callable[[int, torch.Tensor], torch.Tensor],
+    num_blocks: int,
+    sites: list[torch.Tensor],
+    like: torch.Tensor,
+    tolerance: float = 1e-3,
+) -> torch.Tensor | None:
+    """Every block's Hessian on a joint group's coordinates (sorted), measured with few products
+    where its large sites are diagonal: each site of at most :data:`MAX_UNIT_VECTOR_SITE`
+    coordinates by its unit vectors (its rows and, by symmetry, columns), each larger site ``S``
+    by two probes, ``1_S`` (its ones) and ``r_S`` (random signs on it). Where ``S``'s own Hessian
+    is diagonal and ``S`` is not tied to the other large sites (a random effect per site of the
+    data: each ``a_g`` enters its own rows only), ``(H 1_S)_S`` is that diagonal, ``(H r_S)_S``
+    equals it times ``r_S``, and both vanish on the other large sites; any block where a probe
+    shows otherwise (beyond ``tolerance`` of the diagonal's largest entry) returns ``None``. This
+    is the grouping of Hessian columns by Curtis, Powell & Reid (1974) for that pattern: a group
+    of 200 sites' effects and 6 shared coordinates costs 8 products a block, not 206.
+
+    :param products: ``(b, V) -> V H_b`` for directions ``V`` of shape ``(k, P)``.
+    :param num_blocks: n.
+    :param sites: the group's sites' flat coordinates.
+    :param like: a tensor whose last size is ``P``, whose dtype and device the directions take.
+    :returns: ``(n, k, k)``, float64 on the host, or ``None``.
+    """
+    group = torch.cat(sites).sort().values
+    position = torch.full((like.shape[-1],), -1, dtype=torch.long)
+    position[group] = torch.arange(len(group))
+    small = [c for c in sites if len(c) <= MAX_UNIT_VECTOR_SITE]
+    large = [c for c in sites if len(c) > MAX_UNIT_VECTOR_SITE]
+    small_index = torch.cat(small) if small else group[:0]
+    large_index = torch.cat(large) if large else group[:0]
+    signs = torch.Generator().manual_seed(len(group))
+    directions = [unit_vectors(like, small_index)]
+    for site in large:
+        probes = like.new_zeros(2, like.shape[-1])
+        probes[0, site] = 1.0
+        probes[1, site] = (2 * torch.randint(0, 2, (len(site),), generator=signs) - 1).to(probes)
+        directions.append(probes)
+    directions = torch.cat(directions)
+    probe_signs = directions.cpu().to(torch.float64)
+    out = []
+    for b in range(num_blocks):
+        found = products(b, directions).to("cpu", torch.float64)
+        hessian = torch.zeros(len(group), len(group), dtype=torch.float64)
+        rows = found[: len(small_index)][:, group]
+        hessian[position[small_index]] = rows
+        hessian[:, position[small_index]] = rows.T
+        for j, site in enumerate(large):
+            ones, signed = found[len(small_index) + 2 * j], found[len(small_index) + 2 * j + 1]
+            diagonal = ones[site]
+            others = large_index[~torch.isin(large_index, site)]
+            error = torch.cat(
+                [
+                    signed[site] - diagonal * probe_signs[len(small_index) + 2 * j + 1, site],
+                    ones[others],
+                    signed[others],
+                ]
+            )
+            scale = float(diagonal.abs().max())
+            if not bool(torch.isfinite(error).all()) or float(error.abs().max()) > tolerance * max(
+                scale, 1e-30
+            ):
+                return None
+            hessian[position[site], position[site]] = diagonal
+        out.append(hessian)
+    return torch.stack(out)
 
 
 #: A site is whitened where the diagonal penalty leaves its curvature at least this ill-conditioned

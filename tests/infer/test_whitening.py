@@ -15,6 +15,8 @@ from pyro_pdvi.infer.whitening import (
     diagonal_condition,
     joint_group,
     measure_whitening,
+    probed_block_hessians,
+    probes_apply,
     site_hessians,
 )
 
@@ -349,9 +351,10 @@ class SiteIntercepts:
     conditioned alone. Gaussian with fixed scales: the mean-field optimum's means are the
     posterior means, a linear solve."""
 
-    num_sites, effect_scale, noise_scale = 8, 0.3, 0.5
+    effect_scale, noise_scale = 0.3, 0.5
 
-    def __init__(self, num_data: int = 160, num_blocks: int = 6) -> None:
+    def __init__(self, num_data: int = 160, num_blocks: int = 6, num_sites: int = 8) -> None:
+        self.num_sites = num_sites
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(num_data, generator=g, dtype=torch.float64)
         self.site = torch.randint(self.num_sites, (num_data,), generator=g)
@@ -408,4 +411,81 @@ def test_sites_tied_to_each_other_are_whitened_together(monkeypatch):
             assert problem.fit(10, seed).whitened_sites == []
             assert joint[seed] < 0.1 * problem.error(), (seed, joint[seed], problem.error())
     problem.fit(40)
+    assert problem.error() < 1e-6
+
+
+def _arrow_hessians(num_blocks: int, small: int, large: int, seed: int = 0) -> torch.Tensor:
+    """Blocks' Hessians on ``small`` dense coordinates followed by a ``large`` site whose own
+    block is diagonal (the pattern of shared coefficients and a random effect per site)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num_blocks):
+        k = small + large
+        h = torch.zeros(k, k, dtype=torch.float64)
+        dense = torch.randn(small, small, generator=g, dtype=torch.float64)
+        h[:small, :small] = dense @ dense.T + small * torch.eye(small, dtype=torch.float64)
+        cross = torch.randn(small, large, generator=g, dtype=torch.float64)
+        h[:small, small:], h[small:, :small] = cross, cross.T
+        h[small:, small:] = torch.diag(torch.rand(large, generator=g, dtype=torch.float64) + 5.0)
+        out.append(h)
+    return torch.stack(out)
+
+
+def test_a_diagonal_site_is_measured_by_two_probes_and_a_tied_one_is_refused():
+    """The probes give every block's Hessian exactly where the large site's own block is diagonal
+    (3 unit vectors + 2 probes for 23 coordinates, in a layout of 30 with the group scattered), and
+    ``None`` where it is not."""
+    small, large, size = 3, 20, 30
+    hessians = _arrow_hessians(4, small, large)
+    coordinates = torch.randperm(size, generator=torch.Generator().manual_seed(3))[: small + large]
+    sites = [coordinates[:small], coordinates[small:]]
+    group = coordinates.sort().values
+    order = torch.argsort(torch.argsort(coordinates))  # position of each coordinate in the group
+
+    def embed(h: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros(size, size, dtype=torch.float64)
+        full[coordinates[:, None], coordinates] = h
+        return full
+
+    calls = []
+
+    def products(b: int, directions: torch.Tensor) -> torch.Tensor:
+        calls.append(len(directions))
+        return directions @ embed(hessians[b])
+
+    like = torch.zeros(size, dtype=torch.float64)
+    found = probed_block_hessians(products, 4, sites, like)
+    expected = torch.zeros(4, len(group), len(group), dtype=torch.float64)
+    expected[:, order[:, None], order] = hessians
+    assert torch.allclose(found, expected) and calls == [small + 2] * 4
+    tied = hessians.clone()
+    tied[2, small, small + 1] = tied[2, small + 1, small] = 0.5
+    hessians = tied
+    assert probed_block_hessians(products, 4, sites, like) is None
+
+
+def test_probes_apply_to_a_joint_group_with_a_large_site_and_few_unit_vectors():
+    assert probes_apply([torch.arange(5), torch.arange(5, 205)])
+    assert not probes_apply([torch.arange(200)])  # one site
+    assert not probes_apply([torch.arange(5), torch.arange(5, 15)])  # no large site
+    assert not probes_apply([torch.arange(5), torch.arange(5, 300)])  # over 256
+    assert not probes_apply([torch.arange(16 * k, 16 * k + 16) for k in range(5)] + [torch.arange(80, 100)])
+
+
+def test_many_sites_tied_to_an_intercept_are_probed_and_whitened_together(monkeypatch):
+    """20 sites' effects (a site of 20 coordinates, more than 16; 50 data each): the group is
+    measured by 2 unit vectors and 2 probes a block, both sites are whitened (the group's condition
+    number for a diagonal penalty: 74) and the means reach the exact posterior means."""
+    problem = SiteIntercepts(num_data=1000, num_sites=20)
+    found = []
+    original = upkeep.probed_block_hessians
+
+    def spy(*args, **kwargs):
+        found.append(original(*args, **kwargs))
+        return found[-1]
+
+    monkeypatch.setattr(upkeep, "probed_block_hessians", spy)
+    pdvi = problem.fit(40)
+    assert len(found) == 1 and found[0] is not None and found[0].shape == (6, 22, 22)
+    assert sorted(pdvi.whitened_sites) == ["AutoNormal.locs.a", "AutoNormal.locs.w"]
     assert problem.error() < 1e-6
