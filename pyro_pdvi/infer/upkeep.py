@@ -43,10 +43,12 @@ from .step_sizes import DEFAULT_SCALES, diagonal_curvature, round_site_scale
 from .whitening import (
     FIRST_BLOCKS,
     MAX_JOINT_COORDINATES,
+    MAX_UNIT_VECTOR_SITE,
     MAX_WHITENED_COORDINATES,
     joint_group,
     measure_whitening,
     probed_block_hessians,
+    probed_order,
     probes_apply,
     site_hessians,
 )
@@ -409,12 +411,14 @@ class StepSizeUpkeep:
         eligible &= ~state.concentrated & (state.information_total > 0)
         sites = self._site_coordinates(eligible, 1, MAX_JOINT_COORDINATES)
         products = self._site_products(args, kwargs, self._side_seed(-6))
-        hessians = None
+        hessians, natural = None, None
         if probes_apply(sites):
             with self._objective.one_off():
                 hessians = probed_block_hessians(products, len(self.partition), sites, state.consensus)
         if hessians is not None:
-            coordinates, round_sites = joint_group(sites, MAX_JOINT_COORDINATES), []
+            coordinates, round_sites = [probed_order(sites)], []
+            # The large sites keep the natural rule's constant: docs/benchmarks.md 13zo.
+            natural = torch.cat([c for c in sites if len(c) > MAX_UNIT_VECTOR_SITE])
         else:
             coordinates = joint_group([c for c in sites if len(c) <= MAX_WHITENED_COORDINATES])
             round_sites = [c for c in coordinates if len(c) == 1]
@@ -430,7 +434,7 @@ class StepSizeUpkeep:
             auto = self.auto_step_size
             size = state.consensus.numel()
             whitening, found_round = measure_whitening(
-                hessians, coordinates, size, auto.whitened_scale / auto.scale
+                hessians, coordinates, size, auto.whitened_scale / auto.scale, natural
             )
             round_sites += found_round
         self._set_round_sites_scale(round_sites)

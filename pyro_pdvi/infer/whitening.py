@@ -101,6 +101,18 @@ def probes_apply(sites: list[torch.Tensor]) -> bool:
     )
 
 
+def probed_order(sites: list[torch.Tensor]) -> torch.Tensor:
+    """A probed group's coordinates in the order it is whitened: the large sites' (more than
+    :data:`MAX_UNIT_VECTOR_SITE` coordinates) first, then the others', sorted. First, a large site's
+    coordinates are tied to nothing before them (their own Hessian is diagonal and not tied to the
+    other large sites'), so their ``Delta_j = F_jj``: the map makes each ``a_g`` plus its share of
+    the shared coordinates, which the data fix, and the shared coordinates, last, carry the tie."""
+    large = [c for c in sites if len(c) > MAX_UNIT_VECTOR_SITE]
+    small = [c for c in sites if len(c) <= MAX_UNIT_VECTOR_SITE]
+    rest = torch.cat(small).sort().values if small else sites[0][:0]
+    return torch.cat([*large, rest])
+
+
 def probed_block_hessians(
     products: Callable[[int, torch.Tensor], torch.Tensor],
     num_blocks: int,
@@ -108,16 +120,16 @@ def probed_block_hessians(
     like: torch.Tensor,
     tolerance: float = 1e-3,
 ) -> torch.Tensor | None:
-    """Every block's Hessian on a joint group's coordinates (sorted), measured with few products
-    where its large sites are diagonal: each site of at most :data:`MAX_UNIT_VECTOR_SITE`
-    coordinates by its unit vectors (its rows and, by symmetry, columns), each larger site ``S``
-    by two probes, ``1_S`` (its ones) and ``r_S`` (random signs on it). Where ``S``'s own Hessian
-    is diagonal and ``S`` is not tied to the other large sites (a random effect per site of the
-    data: each ``a_g`` enters its own rows only), ``(H 1_S)_S`` is that diagonal, ``(H r_S)_S``
-    equals it times ``r_S``, and both vanish on the other large sites; any block where a probe
-    shows otherwise (beyond ``tolerance`` of the diagonal's largest entry) returns ``None``. This
-    is the grouping of Hessian columns by Curtis, Powell & Reid (1974) for that pattern: a group
-    of 200 sites' effects and 6 shared coordinates costs 8 products a block, not 206.
+    """Every block's Hessian on a joint group's coordinates (in :func:`probed_order`), measured with few
+    products where its large sites are diagonal: each site of at most :data:`MAX_UNIT_VECTOR_SITE`
+    coordinates by its unit vectors (its rows and, by symmetry, columns), each larger site ``S`` by two
+    probes, ``1_S`` (its ones) and ``r_S`` (random signs on it). Where ``S``'s own Hessian is diagonal
+    and ``S`` is not tied to the other large sites (a random effect per site of the data: each ``a_g``
+    enters its own rows only), ``(H 1_S)_S`` is that diagonal, ``(H r_S)_S`` equals it times ``r_S``, and
+    both vanish on the other large sites; any block where a probe shows otherwise (beyond ``tolerance``
+    of the diagonal's largest entry) returns ``None``. This is the grouping of Hessian columns by Curtis,
+    Powell & Reid (1974) for that pattern: a group of 200 sites' effects and 6 shared coordinates costs 8
+    products a block, not 206.
 
     :param products: ``(b, V) -> V H_b`` for directions ``V`` of shape ``(k, P)``.
     :param num_blocks: n.
@@ -125,7 +137,7 @@ def probed_block_hessians(
     :param like: a tensor whose last size is ``P``, whose dtype and device the directions take.
     :returns: ``(n, k, k)``, float64 on the host, or ``None``.
     """
-    group = torch.cat(sites).sort().values
+    group = probed_order(sites)
     position = torch.full((like.shape[-1],), -1, dtype=torch.long)
     position[group] = torch.arange(len(group))
     small = [c for c in sites if len(c) <= MAX_UNIT_VECTOR_SITE]
@@ -300,6 +312,7 @@ def measure_whitening(
     coordinates: list[torch.Tensor],
     size: int,
     scale_factor: float,
+    natural: torch.Tensor | None = None,
 ) -> tuple[SiteWhitening | None, list[torch.Tensor]]:
     """The whitening of the sites whose summed Hessian is positive definite and at least
     :data:`MIN_WHITENED_CONDITION` ill-conditioned for a diagonal penalty, and the sites that a
@@ -309,7 +322,11 @@ def measure_whitening(
         ``(n, k, k)`` (``k = sum_s k_s``), symmetric up to rounding.
     :param coordinates: each candidate site's flat coordinates.
     :param size: ``P``, the number of global coordinates.
-    :param scale_factor: ``whitened_scale / scale``, on every whitened coordinate's step size.
+    :param scale_factor: ``whitened_scale / scale``, on every whitened coordinate's step size but
+        ``natural``'s.
+    :param natural: coordinates that keep the natural rule's constant (growth ``F_jj /
+        Delta_j`` alone): the large sites of a probed group, first in its order
+        (:func:`probed_order`), where that growth is 1.
     :returns: the map (``None`` where no site is ill-conditioned), and the round sites' coordinates:
         positive definite and below the threshold, where a dense penalty is about the diagonal one.
     """
@@ -331,7 +348,10 @@ def measure_whitening(
         pivots = factor.diagonal()
         kept.append(index)
         factors.append(factor.T / pivots[:, None])
-        growth[index.to(growth.device)] = scale_factor * (block.diagonal() / pivots.square()).clamp(
+        constant = torch.full((k,), scale_factor, dtype=total.dtype)
+        if natural is not None:
+            constant[torch.isin(index, natural.cpu())] = 1.0
+        growth[index.to(growth.device)] = constant * (block.diagonal() / pivots.square()).clamp(
             max=MAX_STEP_GROWTH
         )
     return (SiteWhitening(kept, factors, growth) if kept else None), round_sites

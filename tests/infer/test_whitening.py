@@ -16,6 +16,7 @@ from pyro_pdvi.infer.whitening import (
     joint_group,
     measure_whitening,
     probed_block_hessians,
+    probed_order,
     probes_apply,
     site_hessians,
 )
@@ -439,8 +440,10 @@ def test_a_diagonal_site_is_measured_by_two_probes_and_a_tied_one_is_refused():
     hessians = _arrow_hessians(4, small, large)
     coordinates = torch.randperm(size, generator=torch.Generator().manual_seed(3))[: small + large]
     sites = [coordinates[:small], coordinates[small:]]
-    group = coordinates.sort().values
-    order = torch.argsort(torch.argsort(coordinates))  # position of each coordinate in the group
+    # The large site first, as given, then the small one sorted.
+    group = probed_order(sites)
+    assert torch.equal(group, torch.cat([coordinates[small:], coordinates[:small].sort().values]))
+    order = torch.tensor([group.tolist().index(c) for c in coordinates.tolist()])  # group position
 
     def embed(h: torch.Tensor) -> torch.Tensor:
         full = torch.zeros(size, size, dtype=torch.float64)
@@ -475,7 +478,10 @@ def test_probes_apply_to_a_joint_group_with_a_large_site_and_few_unit_vectors():
 def test_many_sites_tied_to_an_intercept_are_probed_and_whitened_together(monkeypatch):
     """20 sites' effects (a site of 20 coordinates, more than 16; 50 data each): the group is
     measured by 2 unit vectors and 2 probes a block, both sites are whitened (the group's condition
-    number for a diagonal penalty: 74) and the means reach the exact posterior means."""
+    number for a diagonal penalty: 74), the effects first in the group's order with the natural
+    rule's step sizes (growth 1: their ``Delta_j = F_jj``), the shared coefficients carrying the tie
+    (growth ``0.25 F_jj / Delta_j``, above 1 where tied), and the means reach the exact posterior
+    means."""
     problem = SiteIntercepts(num_data=1000, num_sites=20)
     found = []
     original = upkeep.probed_block_hessians
@@ -487,5 +493,10 @@ def test_many_sites_tied_to_an_intercept_are_probed_and_whitened_together(monkey
     monkeypatch.setattr(upkeep, "probed_block_hessians", spy)
     pdvi = problem.fit(40)
     assert len(found) == 1 and found[0] is not None and found[0].shape == (6, 22, 22)
-    assert sorted(pdvi.whitened_sites) == ["AutoNormal.locs.a", "AutoNormal.locs.w"]
+    assert pdvi.whitened_sites == ["AutoNormal.locs.a", "AutoNormal.locs.w"]
+    effects = pdvi.layout.slices["AutoNormal.locs.a"]
+    coefficients = pdvi.layout.slices["AutoNormal.locs.w"]
+    growth = pdvi._coupling.step_growth.cpu()
+    assert torch.allclose(growth[effects], torch.ones(20, dtype=growth.dtype))
+    assert float(growth[coefficients].max()) > 1.0
     assert problem.error() < 1e-6
