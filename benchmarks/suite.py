@@ -11,8 +11,10 @@ unknown noise sd whose guide is LogNormal, diabetes, 20 blocks sorted by bmi), `
 (the flagship's GMM through the generic Pyro path, N = 100,000 in blocks of 1,000),
 ``biglogreg`` (a logistic regression on 100,000 rows in 100 blocks), ``ppca_cancer`` (the
 PPCA on breast_cancer, 20 blocks sorted by label), ``robust`` (a Student-t regression with a
-Gamma weight per datum, diabetes, 20 blocks sorted by age) and ``poisson`` (Poisson regression
-with a random intercept per site, 20 blocks sorted by time).
+Gamma weight per datum, diabetes, 20 blocks sorted by age), ``poisson`` (Poisson regression
+with a random intercept for each of 40 sites, 20 blocks sorted by time), ``poisson200`` and
+``poisson200_few`` (the same with 200 sites, 10,000 and 2,000 rows) and ``negbin``
+(negative-binomial regression with a random intercept for each of 20 sites, one block per site).
 
 Each model has an independent reference: the optimum of its mean-field family, from the
 closed-form ELBO (L-BFGS and Newton, CAVI for PPCA, full-batch CAVI for the GMM), in float64.

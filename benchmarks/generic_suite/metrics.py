@@ -61,6 +61,7 @@ PLOTTED = {
     "poisson": ("rmse_mean", "sd_error"),
     "poisson200": ("rmse_mean", "sd_error"),
     "poisson200_few": ("rmse_mean", "sd_error"),
+    "negbin": ("rmse_mean", "sd_error"),
 }
 
 #: Per model: the three errors of README's standing (the posterior means, the standard

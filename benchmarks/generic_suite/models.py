@@ -63,6 +63,9 @@ name           model
                sites' effects are measured by probes (13zo)
 ``poisson200_few`` the same 200 sites with 2,000 rows (10 a site): the priors pull the sites'
                effects more, and the tie is weaker (13zo)
+``negbin``     negative-binomial regression (known total count 2) with a random intercept per
+               site, synthetic: 20 sites of 100 rows, one block per site (data sorted by
+               site, as by patient), ``AutoNormal``, ``Trace_ELBO()`` (session 39)
 ``biglogreg``  ``logreg``'s model at scale: 100,000 synthetic rows (quick: 10,000) of 20
                correlated covariates + intercept, labels from a logistic model with
                coefficients ~ N(0, 0.5^2), ``AutoNormal``, 100 blocks (quick: 10) sorted by
@@ -72,6 +75,7 @@ name           model
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -100,6 +104,7 @@ PROBLEM_NAMES = (
     "poisson",
     "poisson200",
     "poisson200_few",
+    "negbin",
 )
 
 
@@ -602,6 +607,54 @@ class PoissonRandomIntercept(Problem):
         return AutoNormal(self.model)
 
 
+class NegativeBinomialRandomIntercept(PoissonRandomIntercept):
+    """:class:`PoissonRandomIntercept`'s design with a negative-binomial likelihood (mean
+    ``exp(x w + a_site)``, total count :attr:`total_count`, known) and one block per site: the
+    data sorted by site, so that each site's effect is informed by its own block only."""
+
+    total_count = 2.0
+
+    def __init__(self, dtype: torch.dtype, num_sites: int = 20, rows_per_site: int = 100) -> None:
+        generator = torch.Generator().manual_seed(1)
+        num_data = num_sites * rows_per_site
+        covariates = torch.randn(num_data, 4, generator=generator, dtype=torch.float64)
+        x = torch.cat([torch.ones(num_data, 1, dtype=torch.float64), covariates], 1)
+        site = torch.arange(num_sites).repeat_interleave(rows_per_site)
+        effects = 0.5 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
+        mean = torch.exp(x @ torch.tensor([1.0, 0.5, -0.3, 0.2, 0.4], dtype=torch.float64) + effects[site])
+        # A negative binomial draw as a Gamma-Poisson mixture with the same mean (torch's Gamma
+        # draws from the global generator: seeded here, and the caller's state kept).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            rate = torch.distributions.Gamma(self.total_count, self.total_count / mean).sample()
+        y = torch.poisson(rate, generator=generator)
+        Problem.__init__(
+            self,
+            name="negbin",
+            title=f"negative-binomial regression (total count {self.total_count:g}) with a random "
+            f"intercept per site, {num_sites} sites of {rows_per_site} rows, AutoNormal, one block per site",
+            num_data=num_data,
+            blocks=[torch.nonzero(site == g).reshape(-1) for g in range(num_sites)],
+            loss_class=Trace_ELBO,
+            loss_kwargs={},
+            primary="rmse_mean",
+            data={"x": x, "y": y, "site": site},
+        )
+        self.num_sites = num_sites
+        self.x, self.y, self.site = x.to(dtype), y.to(dtype), site
+
+    def _model(self, idx):
+        zero = self.x.new_zeros(())
+        w = pyro.sample("w", dist.Normal(zero, self.prior_scale).expand([self.x.shape[1]]).to_event(1))
+        tau = pyro.sample("tau", dist.HalfNormal(zero + self.tau_prior_scale))
+        with pyro.plate("sites", self.num_sites):
+            a = pyro.sample("a", dist.Normal(zero, tau))
+        with pyro.plate("data", self.num_data, subsample=idx) as ind:
+            log_mean = (self.x[ind] * w).sum(-1) + a[..., self.site[ind]]
+            logits = log_mean - math.log(self.total_count)
+            pyro.sample("y", dist.NegativeBinomial(self.total_count, logits=logits), obs=self.y[ind])
+
+
 # --------------------------------------------------------------------------- 6. GMM
 
 
@@ -702,6 +755,8 @@ def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
         return PoissonRandomIntercept(dtype)
     if name == "poisson200":
         return PoissonRandomIntercept(dtype, num_data=10_000, num_sites=200, name="poisson200")
+    if name == "negbin":
+        return NegativeBinomialRandomIntercept(dtype)
     if name == "poisson200_few":
         return PoissonRandomIntercept(dtype, num_data=2000, num_sites=200, name="poisson200_few")
     raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")
@@ -715,6 +770,7 @@ __all__ = [
     "LargeLogisticRegression",
     "LogisticRegression",
     "MixedEffects",
+    "NegativeBinomialRandomIntercept",
     "NormalScale",
     "OverdispersedLogistic",
     "PoissonRandomIntercept",

@@ -51,6 +51,7 @@ from .models import (
     HierarchicalNormal,
     LogisticRegression,
     MixedEffects,
+    NegativeBinomialRandomIntercept,
     NormalScale,
     OverdispersedLogistic,
     PoissonRandomIntercept,
@@ -249,6 +250,33 @@ def poisson_neg_elbo(problem: PoissonRandomIntercept, params: dict[str, torch.Te
     return -total
 
 
+def negbin_neg_elbo(
+    problem: NegativeBinomialRandomIntercept, params: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """As :func:`poisson_neg_elbo`, with ``E log NB(y | r, logits = t - log r)`` for ``t ~ N(m, v)``:
+    ``log NB = lgamma(y + r) - lgamma(r) - lgamma(y + 1) + r log sigmoid(-l) + y log sigmoid(l)``,
+    each ``E log sigmoid`` by :func:`expected_log_sigmoid`."""
+    x, y, site = problem.data["x"], problem.data["y"], problem.data["site"]
+    m_w, s_w = params["AutoNormal.locs.w"], params["AutoNormal.scales.w"]
+    m_tau, s_tau = params["AutoNormal.locs.tau"], params["AutoNormal.scales.tau"]
+    m_a, s_a = params["AutoNormal.locs.a"], params["AutoNormal.scales.a"]
+    total = expected_normal_log_prob(m_w, s_w, problem.prior_scale) + gaussian_entropy(s_w)
+    total = total + lognormal_site_terms(m_tau, s_tau, "halfnormal", problem.tau_prior_scale)
+    inverse_variance = torch.exp(-2 * m_tau + 2 * s_tau.square())
+    total = total + (-0.5 * LOG_2PI - m_tau - 0.5 * inverse_variance * (m_a.square() + s_a.square())).sum()
+    total = total + gaussian_entropy(s_a)
+    r = problem.total_count
+    logit_mean = x @ m_w + m_a[site] - math.log(r)
+    variance = x.square() @ s_w.square() + s_a[site].square()
+    constant = torch.lgamma(y + r) - math.lgamma(r) - torch.lgamma(y + 1)
+    likelihood = (
+        constant
+        + r * expected_log_sigmoid(-logit_mean, variance)
+        + y * expected_log_sigmoid(logit_mean, variance)
+    )
+    return -(total + likelihood.sum())
+
+
 def gmm_neg_elbo(problem: GMM, params: dict[str, torch.Tensor]) -> torch.Tensor:
     """:func:`pyro_pdvi.models.negative_elbo` at the params (``alpha`` normalised first)."""
     alpha = torch.log_softmax(params["alpha"], -1)
@@ -269,6 +297,7 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "poisson": poisson_neg_elbo,
     "poisson200": poisson_neg_elbo,
     "poisson200_few": poisson_neg_elbo,
+    "negbin": negbin_neg_elbo,
 }
 
 #: Each model's param names, locs first, then scales (GMM: means, log-variances, logits).
@@ -286,6 +315,7 @@ PARAM_NAMES: dict[str, list[str]] = {
     "poisson": auto_names("w", "tau", "a"),
     "poisson200": auto_names("w", "tau", "a"),
     "poisson200_few": auto_names("w", "tau", "a"),
+    "negbin": auto_names("w", "tau", "a"),
 }
 
 

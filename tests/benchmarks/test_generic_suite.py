@@ -38,6 +38,7 @@ SMALL = {
     "ppca_cancer": lambda: models.PPCA(F64, num_data=8, num_blocks=2, dataset="breast_cancer"),
     "robust": lambda: models.RobustRegression(F64, num_data=12, num_blocks=3),
     "poisson": lambda: models.PoissonRandomIntercept(F64, num_data=12, num_sites=3, num_blocks=3),
+    "negbin": lambda: models.NegativeBinomialRandomIntercept(F64, num_sites=3, rows_per_site=4),
 }
 
 
