@@ -12,7 +12,7 @@ from pyro_pdvi import PDVI, BlockProblem
 from pyro_pdvi.models.gmm import GMMBlockSolver, GMMModel, make_biased_gmm
 
 from .infer.test_solve_noise import GROUP_BLOCKS, GROUP_DATA, GROUP_OF, GROUPS, _group_posterior
-from .infer.test_whitening import CorrelatedRegression, error, fit
+from .infer.test_whitening import CorrelatedRegression, SiteIntercepts, error, fit
 from .toy_models import intercepts_and_slopes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -263,6 +263,17 @@ def test_whitened_site_keeps_its_state_on_cuda_and_reaches_the_exact_means():
     assert pdvi.state.duals.device.type == "cuda" and pdvi.state.consensus.device.type == "cuda"
     assert pyro.param("AutoNormal.locs.w").device.type == "cuda"
     assert error(problem) < 1e-6
+
+
+def test_sites_probed_and_whitened_together_on_cuda():
+    """A joint group whose large site is measured by probes (``docs/benchmarks.md`` 13zo) on the
+    device: the map and the state stay there, and the means reach the exact posterior means as on
+    the CPU (``tests/infer/test_whitening.py``: below 1e-6 after 40 epochs)."""
+    problem = SiteIntercepts(num_data=1000, num_sites=20, device="cuda")
+    pdvi = problem.fit(40)
+    assert pdvi.whitened_sites == ["AutoNormal.locs.a", "AutoNormal.locs.w"]
+    assert pdvi._coupling.factors[0].device.type == "cuda" and pdvi.state.consensus.device.type == "cuda"
+    assert problem.error() < 1e-6
 
 
 def test_a_model_written_for_one_draw_is_found_and_looped_on_cuda():

@@ -354,7 +354,9 @@ class SiteIntercepts:
 
     effect_scale, noise_scale = 0.3, 0.5
 
-    def __init__(self, num_data: int = 160, num_blocks: int = 6, num_sites: int = 8) -> None:
+    def __init__(
+        self, num_data: int = 160, num_blocks: int = 6, num_sites: int = 8, device: str = "cpu"
+    ) -> None:
         self.num_sites = num_sites
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(num_data, generator=g, dtype=torch.float64)
@@ -370,6 +372,8 @@ class SiteIntercepts:
         prior = torch.cat([torch.ones(2), torch.full((self.num_sites,), self.effect_scale**-2)]).double()
         precision = design.T @ design / self.noise_scale**2 + torch.diag(prior)
         self.mean = torch.linalg.solve(precision, design.T @ self.y / self.noise_scale**2)
+        self.x, self.y, self.site = self.x.to(device), self.y.to(device), self.site.to(device)
+        self.blocks = [block.to(device) for block in self.blocks]
 
     def model(self, idx: torch.Tensor) -> None:
         w = pyro.sample("w", dist.Normal(self.x.new_zeros(2), 1.0).to_event(1))
@@ -381,7 +385,7 @@ class SiteIntercepts:
 
     def error(self) -> float:
         means = torch.cat([pyro.param("AutoNormal.locs.w"), pyro.param("AutoNormal.locs.a")]).detach()
-        return float((means - self.mean).abs().max())
+        return float((means.cpu() - self.mean).abs().max())
 
     def fit(self, epochs: int, seed: int = 0) -> PDVI:
         pyro.clear_param_store()
