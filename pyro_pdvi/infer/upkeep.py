@@ -420,7 +420,7 @@ class StepSizeUpkeep:
             # The large sites keep the natural rule's constant: docs/benchmarks.md 13zo.
             natural = torch.cat([c for c in sites if len(c) > MAX_UNIT_VECTOR_SITE])
         else:
-            coordinates = joint_group([c for c in sites if len(c) <= MAX_WHITENED_COORDINATES])
+            coordinates = joint_group(sites)
             round_sites = [c for c in coordinates if len(c) == 1]
             coordinates = [c for c in coordinates if len(c) >= 2]
             if coordinates:

@@ -63,27 +63,25 @@ MAX_JOINT_COORDINATES = 256
 MAX_UNIT_VECTOR_SITE = 16
 
 
-def joint_group(sites: list[torch.Tensor], limit: int = MAX_WHITENED_COORDINATES) -> list[torch.Tensor]:
-    """The candidate sites' coordinates as one group where there are two sites or more with at
-    most ``limit`` together (else each site of at most :data:`MAX_WHITENED_COORDINATES` its own
-    group): one dense penalty then also sees the ties between sites, which a site's own cannot. A
+def joint_group(sites: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The coordinates of the candidate sites of at most :data:`MAX_WHITENED_COORDINATES` each, as
+    one group where there are two such sites or more with at most that many together (else each
+    its own group): one dense penalty then also sees the ties between sites, which a site's own cannot. A
     regression's intercept and a random intercept per site of the data (``a_g``) are tied along
     the direction that adds ``c`` to every ``a_g`` and takes it from the intercept, which only the
     priors fix: measured on the suite's Poisson model (``docs/benchmarks.md`` 13zo), no site
     alone was ill-conditioned (condition numbers 1.0 and 3.1, together 1,752) and that direction
     crawled (the intercept still 0.18 off after 40 epochs), where the joint group's penalty had
-    it at the optimum by epoch 12.
+    it at the optimum by epoch 12. A larger group, up to :data:`MAX_JOINT_COORDINATES`, is
+    formed where its large sites can be probed (:func:`probes_apply`, :func:`probed_order`).
 
     :param sites: each candidate site's flat coordinates, in the layout's order.
-    :param limit: the most coordinates of a group: :data:`MAX_WHITENED_COORDINATES` where each
-        is measured by its unit vector, :data:`MAX_JOINT_COORDINATES` where large sites are
-        probed (:func:`probes_apply`).
-    :returns: ``[all of them, sorted]``, or the sites of at most
-        :data:`MAX_WHITENED_COORDINATES` coordinates as given.
+    :returns: ``[their coordinates, sorted]``, or those sites as given.
     """
-    if len(sites) >= 2 and sum(len(c) for c in sites) <= limit:
-        return [torch.cat(sites).sort().values]
-    return [c for c in sites if len(c) <= MAX_WHITENED_COORDINATES]
+    small = [c for c in sites if len(c) <= MAX_WHITENED_COORDINATES]
+    if len(small) >= 2 and sum(len(c) for c in small) <= MAX_WHITENED_COORDINATES:
+        return [torch.cat(small).sort().values]
+    return small
 
 
 def probes_apply(sites: list[torch.Tensor]) -> bool:

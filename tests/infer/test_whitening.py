@@ -343,6 +343,8 @@ def test_sites_of_at_most_64_coordinates_together_are_one_group():
     assert joint_group(sites[:1]) == sites[:1]
     large = [torch.arange(40), torch.arange(40, 65)]
     assert joint_group(large) == large
+    # A site of more than 64 is left out; the others still form a group.
+    assert torch.equal(joint_group([torch.arange(100), *sites])[0], torch.tensor([0, 4, 5, 7, 8, 9]))
 
 
 class SiteIntercepts:
