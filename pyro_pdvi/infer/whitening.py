@@ -23,11 +23,13 @@ fixed point. A whitened coordinate's step size is the natural rule's times ``F_j
 ``whitened_scale / scale``: the constant of :class:`~pyro_pdvi.infer.step_sizes.AutoStepSize`
 that a dense penalty takes.
 
-Where the candidate sites have at most :data:`MAX_JOINT_COORDINATES` coordinates together,
+Where the candidate sites have at most :data:`MAX_WHITENED_COORDINATES` coordinates together,
 they are one group, with one dense penalty (:func:`joint_group`): it then also sees the ties
-between sites, an intercept's with a random intercept per site of the data; its large sites are
-measured by two probes each where their own Hessian is diagonal (:func:`probed_block_hessians`).
-Elsewhere "site" below reads "group".
+between sites, an intercept's with a random intercept per site of the data. Up to
+:data:`MAX_JOINT_COORDINATES` where the sites of more than :data:`MAX_UNIT_VECTOR_SITE` have a
+diagonal Hessian of their own (a random effect's): those are measured by two probes each
+(:func:`probed_block_hessians`), come first in the group (:func:`probed_order`) and keep the
+natural rule's constant. Elsewhere "site" below reads "group".
 
 ``F_s`` is measured once, when every block has had its first step (at the end of the first
 epoch), from every block's Hessian products with the unit vectors of the candidate coordinates at
