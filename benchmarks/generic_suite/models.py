@@ -471,6 +471,17 @@ class HierarchicalNormal(Problem):
 # --------------------------------------------------------------------------- 5. unknown noise scale
 
 
+def diabetes(num_data: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+    """sklearn's diabetes data, its first ``num_data`` rows: the standardised features, the same
+    with an intercept column in front, the standardised target (float64) and the features' names."""
+    from sklearn.datasets import load_diabetes
+
+    raw = load_diabetes()
+    features, x = design_matrix(raw.data, num_data)
+    y = standardise(torch.as_tensor(raw.target, dtype=torch.float64))[:num_data]
+    return features, x, y, list(raw.feature_names)
+
+
 class NormalScale(Problem):
     """Linear regression with an unknown noise sd (LogNormal guide site), blocks sorted by bmi."""
 
@@ -478,12 +489,8 @@ class NormalScale(Problem):
     sigma_prior_scale = 1.0
 
     def __init__(self, dtype: torch.dtype, num_data: int | None = None, num_blocks: int = 20) -> None:
-        from sklearn.datasets import load_diabetes
-
-        raw = load_diabetes()
-        features, x = design_matrix(raw.data, num_data)
-        y = standardise(torch.as_tensor(raw.target, dtype=torch.float64))[:num_data]
-        bmi = raw.feature_names.index("bmi")
+        features, x, y, names = diabetes(num_data)
+        bmi = names.index("bmi")
         super().__init__(
             name="scale",
             title=f"linear regression, unknown noise sd (HalfNormal prior, LogNormal q), diabetes "
@@ -519,12 +526,8 @@ class RobustRegression(Problem):
     degrees_of_freedom = 4.0
 
     def __init__(self, dtype: torch.dtype, num_data: int | None = None, num_blocks: int = 20) -> None:
-        from sklearn.datasets import load_diabetes
-
-        raw = load_diabetes()
-        features, x = design_matrix(raw.data, num_data)
-        y = standardise(torch.as_tensor(raw.target, dtype=torch.float64))[:num_data]
-        age = raw.feature_names.index("age")
+        features, x, y, names = diabetes(num_data)
+        age = names.index("age")
         super().__init__(
             name="robust",
             title=f"Student-t regression, a Gamma weight per datum (LogNormal q), diabetes "
@@ -600,8 +603,12 @@ class PoissonRandomIntercept(Problem):
         with pyro.plate("sites", self.num_sites):
             a = pyro.sample("a", dist.Normal(zero, tau))
         with pyro.plate("data", self.num_data, subsample=idx) as ind:
-            log_rate = (self.x[ind] * w).sum(-1) + a[..., self.site[ind]]
-            pyro.sample("y", dist.Poisson(log_rate.exp()), obs=self.y[ind])
+            log_mean = (self.x[ind] * w).sum(-1) + a[..., self.site[ind]]
+            pyro.sample("y", self.likelihood(log_mean), obs=self.y[ind])
+
+    def likelihood(self, log_mean: torch.Tensor) -> dist.Distribution:
+        """The counts' distribution given their log mean."""
+        return dist.Poisson(log_mean.exp())
 
     def make_guide(self):
         return AutoNormal(self.model)
@@ -643,16 +650,8 @@ class NegativeBinomialRandomIntercept(PoissonRandomIntercept):
         self.num_sites = num_sites
         self.x, self.y, self.site = x.to(dtype), y.to(dtype), site
 
-    def _model(self, idx):
-        zero = self.x.new_zeros(())
-        w = pyro.sample("w", dist.Normal(zero, self.prior_scale).expand([self.x.shape[1]]).to_event(1))
-        tau = pyro.sample("tau", dist.HalfNormal(zero + self.tau_prior_scale))
-        with pyro.plate("sites", self.num_sites):
-            a = pyro.sample("a", dist.Normal(zero, tau))
-        with pyro.plate("data", self.num_data, subsample=idx) as ind:
-            log_mean = (self.x[ind] * w).sum(-1) + a[..., self.site[ind]]
-            logits = log_mean - math.log(self.total_count)
-            pyro.sample("y", dist.NegativeBinomial(self.total_count, logits=logits), obs=self.y[ind])
+    def likelihood(self, log_mean: torch.Tensor) -> dist.Distribution:
+        return dist.NegativeBinomial(self.total_count, logits=log_mean - math.log(self.total_count))
 
 
 # --------------------------------------------------------------------------- 6. GMM

@@ -233,8 +233,13 @@ def robust_neg_elbo(problem: RobustRegression, params: dict[str, torch.Tensor]) 
     return -total
 
 
-def poisson_neg_elbo(problem: PoissonRandomIntercept, params: dict[str, torch.Tensor]) -> torch.Tensor:
-    x, y, site = problem.data["x"], problem.data["y"], problem.data["site"]
+def random_intercept_terms(
+    problem: PoissonRandomIntercept, params: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The count models' terms without the likelihood (``w``'s, ``tau``'s and the sites' effects'
+    expected log prior and entropy), and the mean and variance under q of each datum's log mean
+    ``x w + a_site``."""
+    x, site = problem.data["x"], problem.data["site"]
     m_w, s_w = params["AutoNormal.locs.w"], params["AutoNormal.scales.w"]
     m_tau, s_tau = params["AutoNormal.locs.tau"], params["AutoNormal.scales.tau"]
     m_a, s_a = params["AutoNormal.locs.a"], params["AutoNormal.scales.a"]
@@ -243,11 +248,14 @@ def poisson_neg_elbo(problem: PoissonRandomIntercept, params: dict[str, torch.Te
     inverse_variance = torch.exp(-2 * m_tau + 2 * s_tau.square())
     total = total + (-0.5 * LOG_2PI - m_tau - 0.5 * inverse_variance * (m_a.square() + s_a.square())).sum()
     total = total + gaussian_entropy(s_a)
-    log_rate_mean = x @ m_w + m_a[site]
-    log_rate_variance = x.square() @ s_w.square() + s_a[site].square()
+    return total, x @ m_w + m_a[site], x.square() @ s_w.square() + s_a[site].square()
+
+
+def poisson_neg_elbo(problem: PoissonRandomIntercept, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    y = problem.data["y"]
+    total, log_rate_mean, log_rate_variance = random_intercept_terms(problem, params)
     expected_rate = torch.exp(log_rate_mean + 0.5 * log_rate_variance)
-    total = total + (y * log_rate_mean - expected_rate - torch.lgamma(y + 1)).sum()
-    return -total
+    return -(total + (y * log_rate_mean - expected_rate - torch.lgamma(y + 1)).sum())
 
 
 def negbin_neg_elbo(
@@ -256,18 +264,9 @@ def negbin_neg_elbo(
     """As :func:`poisson_neg_elbo`, with ``E log NB(y | r, logits = t - log r)`` for ``t ~ N(m, v)``:
     ``log NB = lgamma(y + r) - lgamma(r) - lgamma(y + 1) + r log sigmoid(-l) + y log sigmoid(l)``,
     each ``E log sigmoid`` by :func:`expected_log_sigmoid`."""
-    x, y, site = problem.data["x"], problem.data["y"], problem.data["site"]
-    m_w, s_w = params["AutoNormal.locs.w"], params["AutoNormal.scales.w"]
-    m_tau, s_tau = params["AutoNormal.locs.tau"], params["AutoNormal.scales.tau"]
-    m_a, s_a = params["AutoNormal.locs.a"], params["AutoNormal.scales.a"]
-    total = expected_normal_log_prob(m_w, s_w, problem.prior_scale) + gaussian_entropy(s_w)
-    total = total + lognormal_site_terms(m_tau, s_tau, "halfnormal", problem.tau_prior_scale)
-    inverse_variance = torch.exp(-2 * m_tau + 2 * s_tau.square())
-    total = total + (-0.5 * LOG_2PI - m_tau - 0.5 * inverse_variance * (m_a.square() + s_a.square())).sum()
-    total = total + gaussian_entropy(s_a)
-    r = problem.total_count
-    logit_mean = x @ m_w + m_a[site] - math.log(r)
-    variance = x.square() @ s_w.square() + s_a[site].square()
+    y, r = problem.data["y"], problem.total_count
+    total, log_mean, variance = random_intercept_terms(problem, params)
+    logit_mean = log_mean - math.log(r)
     constant = torch.lgamma(y + r) - math.lgamma(r) - torch.lgamma(y + 1)
     likelihood = (
         constant

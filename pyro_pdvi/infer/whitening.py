@@ -144,15 +144,17 @@ def probed_block_hessians(
     large = [c for c in sites if len(c) > MAX_UNIT_VECTOR_SITE]
     small_index = torch.cat(small) if small else group[:0]
     large_index = torch.cat(large) if large else group[:0]
-    signs = torch.Generator().manual_seed(len(group))
+    generator = torch.Generator().manual_seed(len(group))
+    signs = [
+        2 * torch.randint(0, 2, (len(site),), generator=generator, dtype=torch.float64) - 1 for site in large
+    ]
     directions = [unit_vectors(like, small_index)]
-    for site in large:
+    for site, site_signs in zip(large, signs):
         probes = like.new_zeros(2, like.shape[-1])
         probes[0, site] = 1.0
-        probes[1, site] = (2 * torch.randint(0, 2, (len(site),), generator=signs) - 1).to(probes)
+        probes[1, site] = site_signs.to(probes)
         directions.append(probes)
     directions = torch.cat(directions)
-    probe_signs = directions.cpu().to(torch.float64)
     out = []
     for b in range(num_blocks):
         found = products(b, directions).to("cpu", torch.float64)
@@ -166,7 +168,7 @@ def probed_block_hessians(
             others = large_index[~torch.isin(large_index, site)]
             error = torch.cat(
                 [
-                    signed[site] - diagonal * probe_signs[len(small_index) + 2 * j + 1, site],
+                    signed[site] - diagonal * signs[j],
                     ones[others],
                     signed[others],
                 ]
