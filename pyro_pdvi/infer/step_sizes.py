@@ -370,8 +370,8 @@ class AutoStepSize:
     :param whiten: under the natural rule, whether the small global sites (2 to
         :data:`~pyro_pdvi.infer.whitening.MAX_WHITENED_COORDINATES` coordinates; all sites as one
         group where they have that many together, :func:`~pyro_pdvi.infer.whitening.joint_group`,
-        or up to :data:`~pyro_pdvi.infer.whitening.MAX_JOINT_COORDINATES` where the large ones are
-        a random effect's, :func:`~pyro_pdvi.infer.whitening.probed_block_hessians`)
+        or with larger sites where those are a random effect's,
+        :func:`~pyro_pdvi.infer.whitening.probed_block_hessians`)
         get a dense penalty, ``F_s / (c n)`` with ``F_s`` the blocks' summed Hessian on the site
         measured at the end of the first epoch, where a diagonal one leaves ``F_s``
         ill-conditioned (:mod:`~pyro_pdvi.infer.whitening`).

@@ -42,9 +42,9 @@ from .solvers import GenericSolver
 from .step_sizes import DEFAULT_SCALES, diagonal_curvature, round_site_scale
 from .whitening import (
     FIRST_BLOCKS,
-    MAX_JOINT_COORDINATES,
     MAX_UNIT_VECTOR_SITE,
     MAX_WHITENED_COORDINATES,
+    GroupHessians,
     joint_group,
     measure_whitening,
     probed_block_hessians,
@@ -294,11 +294,46 @@ class StepSizeUpkeep:
         # kept in _first_step_args) are not recorded.
         with self._objective.one_off():
             if not self._shares_steps:
+                self._measure_sampled_blocks_again(hessians)
+            if not self._shares_steps and bool(self._state.concentrated.any()):
                 self._state.release_shared(hessians.diagonal, self._not_held(self._state.concentrated))
             if bool(self._state.concentrated.any()):
                 self._couple(hessians)
         if self.concentrated_sites:
             self._warn_of_concentrated_coordinates()
+
+    def _measure_sampled_blocks_again(self, hessians: KeptBlockHessians) -> None:
+        """Measure again the concentrated coordinates' information in each block first measured
+        on a subset of its rows (more than :data:`CURVATURE_ROWS`), on every row, by Rademacher
+        probes on those coordinates only (Hutchinson's estimate of the diagonal of ``H_b`` there:
+        exact where their own Hessian is diagonal, a random effect's; the first measurement's
+        probes also carried the noise of their ties to every other coordinate), and decide again
+        which are concentrated.
+
+        Why: a subset sees few of a random effect's sites in a block, each counted with the weight
+        that scales the subset up to the block, so a site that every block informs a little looks
+        informed by the one or two blocks whose subset drew its rows. Measured on the suite's
+        Poisson model of 1,000 sites (``docs/benchmarks.md`` 13zp; each site's 20 rows spread over
+        20 blocks of 1,000 by time), 115 sites' effects looked concentrated; they were then left
+        out of the whitening, whose group lost the ties that make it worth one.
+
+        :param hessians: every block's Hessian products at the pass's point, on every row.
+        """
+        sampled = (self.partition.sizes > CURVATURE_ROWS).nonzero().reshape(-1)
+        coordinates = self._not_held(self._state.concentrated).nonzero().reshape(-1)
+        if not len(sampled) or not len(coordinates):
+            return
+        like = self._state.consensus
+        generator = torch.Generator().manual_seed(self._side_seed(-8))
+        shape = (self.auto_step_size.curvature_probes, len(coordinates))
+        signs = 2 * torch.randint(0, 2, shape, generator=generator) - 1
+        probes = like.new_zeros(len(signs), like.numel())
+        probes[:, coordinates] = signs.to(probes)
+        rows = self._state.information[sampled.to(like.device)].clone()
+        for i, b in enumerate(sampled.tolist()):
+            values = (probes * hessians.products(b, probes)).mean(0).abs()[coordinates]
+            rows[i, coordinates] = torch.where(torch.isfinite(values), values, rows[i, coordinates])
+        self._state.set_information(sampled, rows)
 
     def _may_couple(self) -> bool:
         """Whether concentrated coordinates would be coupled once found (:meth:`_couple`)."""
@@ -356,17 +391,16 @@ class StepSizeUpkeep:
         return [c for c in coordinates if smallest <= len(c) <= largest]
 
     def _site_products(
-        self, args: tuple, kwargs: dict, seed: int
+        self, args: tuple, kwargs: dict, seed: int, max_rows: int | None
     ) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """``(b, V) -> V H_b`` at ``lambda_0``, block ``b``'s Hessian estimated on at most
-        :data:`WHITENING_ROWS` of its data (on all of them where the model does not take a subset),
-        at the noise of ``seed + b``: what :func:`~pyro_pdvi.infer.whitening.site_hessians` takes."""
+        ``max_rows`` of its data (on all of them where the model does not take a subset, or
+        ``max_rows`` is ``None``), at the noise of ``seed + b``: what
+        :func:`~pyro_pdvi.infer.whitening.site_hessians` takes."""
 
         def products(b: int, directions: torch.Tensor) -> torch.Tensor:
             block_args, block_kwargs = self._first_step_args.get(b, (args, kwargs))
-            return self._subsampled_products(
-                b, block_args, block_kwargs, seed + b, WHITENING_ROWS, directions
-            )
+            return self._subsampled_products(b, block_args, block_kwargs, seed + b, max_rows, directions)
 
         return products
 
@@ -388,11 +422,11 @@ class StepSizeUpkeep:
         under the natural rule that the solves move (not a held scale), that many blocks inform
         (not a concentrated one): a site of 2 to ``MAX_WHITENED_COORDINATES`` of them, or all the
         sites as one group where they have that many together
-        (:func:`~pyro_pdvi.infer.whitening.joint_group`), or up to ``MAX_JOINT_COORDINATES``
-        where the large sites' own Hessians are diagonal, measured by probes
+        (:func:`~pyro_pdvi.infer.whitening.joint_group`), or with larger sites whose own Hessians
+        are diagonal, measured by probes
         (:func:`~pyro_pdvi.infer.whitening.probed_block_hessians`). Each block's Hessian is
         measured at ``lambda_0``, on at most :data:`WHITENING_ROWS` of its data (all of them where
-        the model does not take a subset).
+        the model does not take a subset, or where the group is probed).
 
         A site that a diagonal penalty already leaves round (a site of one such coordinate
         included) is not mapped, but may take a stiffer constant (:meth:`_set_round_sites_scale`),
@@ -409,12 +443,17 @@ class StepSizeUpkeep:
         state = self._state
         eligible = self._not_held(self._step_sizes.natural_coordinates().to(state.concentrated.device))
         eligible &= ~state.concentrated & (state.information_total > 0)
-        sites = self._site_coordinates(eligible, 1, MAX_JOINT_COORDINATES)
-        products = self._site_products(args, kwargs, self._side_seed(-6))
+        sites = self._site_coordinates(eligible, 1, eligible.numel())
+        products = self._site_products(args, kwargs, self._side_seed(-6), WHITENING_ROWS)
         hessians, natural = None, None
-        if probes_apply(sites):
+        if probes_apply(sites, len(self.partition)):
+            # On every row of a block: a few products each, and a subset would see few of a
+            # random effect's sites, each with a weight that overstates it (docs/benchmarks.md 13zp).
+            every_row = self._site_products(args, kwargs, self._side_seed(-6), max_rows=None)
             with self._objective.one_off():
-                hessians = probed_block_hessians(products, len(self.partition), sites, state.consensus)
+                probed = probed_block_hessians(every_row, len(self.partition), sites, state.consensus)
+            if probed is not None:
+                hessians = [probed]
         if hessians is not None:
             coordinates, round_sites = [probed_order(sites)], []
             # The large sites keep the natural rule's constant: docs/benchmarks.md 13zo.
@@ -425,12 +464,13 @@ class StepSizeUpkeep:
             coordinates = [c for c in coordinates if len(c) >= 2]
             if coordinates:
                 with self._objective.one_off():
-                    coordinates, hessians, found_round = site_hessians(
+                    coordinates, measured, found_round = site_hessians(
                         products, len(self.partition), coordinates, state.consensus
                     )
+                hessians = GroupHessians.of_sites(measured, coordinates)
                 round_sites += found_round
         whitening = None
-        if coordinates and hessians is not None and bool(torch.isfinite(hessians).all()):
+        if coordinates and hessians is not None and all(map(GroupHessians.is_finite, hessians)):
             auto = self.auto_step_size
             size = state.consensus.numel()
             whitening, found_round = measure_whitening(
@@ -445,8 +485,9 @@ class StepSizeUpkeep:
         state.change_coordinates(self._coupling.forward, self._coupling.dual_forward, self._rule_step_sizes())
         self._stationarity.change_coordinates(whitening.to(torch.zeros((), dtype=torch.float64)).forward)
         # The weighted update's block weights, in the new coordinates.
-        kept = torch.isin(torch.cat(coordinates), whitening.whitened.cpu())  # the sites it kept, in order
-        curvature = whitening.curvature_diagonal(hessians[:, kept][:, :, kept]).abs()
+        whitened = whitening.coordinates
+        kept = [h for c, h in zip(coordinates, hessians) if any(torch.equal(c, w) for w in whitened)]
+        curvature = whitening.curvature_diagonal(kept).abs()
         state.set_coordinate_information(whitening.whitened, curvature)
         self._write_consensus()
 
@@ -487,7 +528,7 @@ class StepSizeUpkeep:
         coordinates = self._site_coordinates(eligible, smallest=2)
         if not coordinates:
             return
-        products = self._site_products(args, kwargs, self._side_seed(-7))
+        products = self._site_products(args, kwargs, self._side_seed(-7), WHITENING_ROWS)
         with self._objective.one_off():
             _, _, round_sites = site_hessians(
                 lambda i, directions: products(measured[i], directions), len(measured), coordinates,

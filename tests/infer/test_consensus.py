@@ -8,6 +8,7 @@ from pyro.infer import Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoLowRankMultivariateNormal, AutoNormal
 
 from pyro_pdvi import PDVI
+from pyro_pdvi.infer import upkeep
 from pyro_pdvi.infer.consensus import ConsensusState
 
 
@@ -158,11 +159,23 @@ def _concentrated_warnings(record) -> list:
     return [w for w in record if "informed by about one block each" in str(w.message)]
 
 
-def test_pdvi_names_the_sites_that_one_block_informs_once_every_block_is_measured():
+@pytest.mark.parametrize("rows", [None, 3], ids=["every_row", "sampled"])
+def test_pdvi_names_the_sites_that_one_block_informs_once_every_block_is_measured(rows, monkeypatch):
     """The random intercepts' group effects (one block per group) are found concentrated once
     every block has had its first step, and PDVI says so once, naming them; the intercept, which
     every block informs, is not among them, nor the effects' scales, which their fixed point sets
-    (no solve moves them)."""
+    (no solve moves them). Where each block's first curvature is measured on 3 of its 6 rows, the
+    effects are measured again on every row (``_measure_sampled_blocks_again``) and still found."""
+    measured_again = []
+    if rows is not None:
+        monkeypatch.setattr(upkeep, "CURVATURE_ROWS", rows)
+        original = upkeep.StepSizeUpkeep._measure_sampled_blocks_again
+
+        def spy(self, hessians):
+            measured_again.append(int(self.state.concentrated.sum()))
+            original(self, hessians)
+
+        monkeypatch.setattr(upkeep.StepSizeUpkeep, "_measure_sampled_blocks_again", spy)
     model, blocks, _ = _random_intercepts()
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
@@ -177,6 +190,7 @@ def test_pdvi_names_the_sites_that_one_block_informs_once_every_block_is_measure
         for block in blocks:
             pdvi.step(block)
     assert pdvi.concentrated_sites == {"AutoNormal.locs.a": 8}
+    assert measured_again == ([] if rows is None else [16])  # the effects' locs and scales
     assert pdvi.state.concentrated[pdvi.layout.slices["AutoNormal.scales.a"]].all()
     (warning,) = _concentrated_warnings(record)
     assert "'AutoNormal.locs.a' (8) are" in str(warning.message)

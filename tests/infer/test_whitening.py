@@ -11,7 +11,9 @@ from pyro_pdvi.infer.consensus import ConsensusState
 from pyro_pdvi.infer.step_sizes import round_site_scale
 from pyro_pdvi.infer.whitening import (
     FIRST_BLOCKS,
+    GroupHessians,
     SiteWhitening,
+    arrow_condition,
     diagonal_condition,
     joint_group,
     measure_whitening,
@@ -73,7 +75,7 @@ def test_the_summed_hessian_is_diagonal_in_the_new_coordinates():
         assert torch.allclose(whitening.step_growth[index], 0.5 * block.diagonal() / delta)
     assert torch.equal(whitening.step_growth[[0, 4]], torch.ones(2, dtype=torch.float64))
     # Each block's curvature in the new coordinates, for the weighted update's weights.
-    per_block = whitening.curvature_diagonal(hessians)
+    per_block = whitening.curvature_diagonal(GroupHessians.of_sites(hessians, whitening.coordinates))
     assert torch.allclose(
         per_block.sum(0)[:3], (whitening.inverses[0].T @ total[:3, :3] @ whitening.inverses[0]).diagonal()
     )
@@ -421,6 +423,20 @@ def test_sites_tied_to_each_other_are_whitened_together(monkeypatch):
     assert problem.error() < 1e-6
 
 
+def test_a_random_effect_that_every_block_informs_is_not_concentrated_where_blocks_were_sampled(monkeypatch):
+    """40 sites' effects, each site's 15 rows spread over 6 blocks of 100 (sorted by ``x``), every
+    block's first curvature measured on 16 of its rows (``CURVATURE_ROWS``): such a subset holds few
+    of each block's sites, so that some sites look informed by the one or two blocks that drew them.
+    Measured again on every row, none is concentrated (without that second measurement some are,
+    and would be left out of a whitening group)."""
+    monkeypatch.setattr(upkeep, "CURVATURE_ROWS", 16)
+    problem = SiteIntercepts(num_data=600, num_sites=40)
+    pdvi = problem.fit(2)
+    assert pdvi.concentrated_sites == {}
+    monkeypatch.setattr(upkeep.StepSizeUpkeep, "_measure_sampled_blocks_again", lambda self, hessians: None)
+    assert problem.fit(2).concentrated_sites.get("AutoNormal.locs.a", 0) > 0
+
+
 def _arrow_hessians(num_blocks: int, small: int, large: int, seed: int = 0) -> torch.Tensor:
     """Blocks' Hessians on ``small`` dense coordinates followed by a ``large`` site whose own
     block is diagonal (the pattern of shared coefficients and a random effect per site)."""
@@ -466,19 +482,85 @@ def test_a_diagonal_site_is_measured_by_two_probes_and_a_tied_one_is_refused():
     found = probed_block_hessians(products, 4, sites, like)
     expected = torch.zeros(4, len(group), len(group), dtype=torch.float64)
     expected[:, order[:, None], order] = hessians
-    assert torch.allclose(found, expected) and calls == [small + 2] * 4
+    assert calls == [small + 2] * 4
+    assert torch.allclose(found.diagonal, expected[:, :large, :large].diagonal(dim1=1, dim2=2))
+    assert torch.allclose(found.cross, expected[:, :large, large:])
+    assert torch.allclose(found.dense, expected[:, large:, large:])
     tied = hessians.clone()
     tied[2, small, small + 1] = tied[2, small + 1, small] = 0.5
     hessians = tied
     assert probed_block_hessians(products, 4, sites, like) is None
 
 
+def _effects_hessians(num_blocks: int = 4, num_sites: int = 30, rows: int = 600) -> torch.Tensor:
+    """The blocks' Hessians of a Gaussian regression's means on a one-hot effect per site, then an
+    intercept and a slope (noise sd 0.5, prior sds 1 and 3, blocks sorted by the covariate): the
+    effects' own block diagonal, each tied to the intercept."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, generator=g, dtype=torch.float64)
+    site = torch.randint(num_sites, (rows,), generator=g)
+    design = torch.cat(
+        [torch.nn.functional.one_hot(site, num_sites).double(), torch.ones(rows, 1, dtype=torch.float64),
+         x[:, None]], 1,
+    )  # fmt: skip
+    prior = torch.cat([torch.full((num_sites,), 1 / 9), torch.ones(2)]).double()
+    blocks = x.argsort().tensor_split(num_blocks)
+    return torch.stack([design[b].T @ design[b] / 0.25 + torch.diag(prior) / num_blocks for b in blocks])
+
+
+def _arrow(hessians: torch.Tensor, large: int) -> GroupHessians:
+    """``hessians`` stored as an arrow whose first ``large`` coordinates are diagonal."""
+    return GroupHessians(
+        hessians[:, :large, :large].diagonal(dim1=1, dim2=2),
+        hessians[:, :large, large:],
+        hessians[:, large:, large:],
+    )
+
+
+def test_an_arrow_group_is_the_dense_groups_map_at_the_cost_of_its_ties():
+    """Stored as an arrow (the effects' own Hessian diagonal), a group gets the map, step growths,
+    condition number and per-block curvatures of the same Hessians stored dense: ``U`` is the
+    identity on the effects but for their ties to the intercept and slope, ``E = D^-1 B``."""
+    sites = 30
+    hessians = _effects_hessians(num_sites=sites)
+    index = torch.randperm(40, generator=torch.Generator().manual_seed(1))[: sites + 2]  # scattered
+    arrow = _arrow(hessians, sites)
+    condition = diagonal_condition(hessians.sum(0))
+    assert condition > 30 and arrow_condition(*arrow.totals()) == pytest.approx(condition, rel=1e-9)
+    # Fewer large coordinates than others: no eigenvalue 1 is added.
+    few = [0, 1, sites, sites + 1]
+    assert arrow_condition(*_arrow(hessians[:, few][:, :, few], 2).totals()) == pytest.approx(
+        diagonal_condition(hessians.sum(0)[few][:, few]), rel=1e-9
+    )
+    by_arrow, _ = measure_whitening([arrow], [index], 40, 0.5, natural=index[:sites])
+    dense, _ = measure_whitening(hessians, [index], 40, 0.5, natural=index[:sites])
+    u = torch.eye(sites + 2, dtype=torch.float64)
+    u[:sites, sites:], u[sites:, sites:] = by_arrow.ties[0], by_arrow.factors[0]
+    assert torch.allclose(u, dense.factors[0], atol=1e-12)
+    t = torch.eye(40, dtype=torch.float64)
+    t[index[:, None], index] = u
+    assert_is_the_linear_map(by_arrow, t)
+    assert torch.allclose(by_arrow.step_growth, dense.step_growth)
+    assert torch.allclose(by_arrow.step_growth[index[:sites]], torch.ones(sites, dtype=torch.float64))
+    assert torch.allclose(
+        by_arrow.curvature_diagonal([arrow]),
+        dense.curvature_diagonal(GroupHessians.of_sites(hessians, [index])),
+    )
+    # Saved and loaded, the map keeps its ties.
+    assert_is_the_linear_map(SiteWhitening.from_state_dict(by_arrow.state_dict()), t)
+
+
 def test_probes_apply_to_a_joint_group_with_a_large_site_and_few_unit_vectors():
-    assert probes_apply([torch.arange(5), torch.arange(5, 205)])
-    assert not probes_apply([torch.arange(200)])  # one site
-    assert not probes_apply([torch.arange(5), torch.arange(5, 15)])  # no large site
-    assert not probes_apply([torch.arange(5), torch.arange(5, 300)])  # over 256
-    assert not probes_apply([torch.arange(16 * k, 16 * k + 16) for k in range(5)] + [torch.arange(80, 100)])
+    assert probes_apply([torch.arange(5), torch.arange(5, 205)], 20)
+    assert probes_apply([torch.arange(5), torch.arange(5, 5005)], 100)  # thousands of sites' effects
+    assert not probes_apply([torch.arange(200)], 20)  # one site
+    assert not probes_apply([torch.arange(5), torch.arange(5, 15)], 20)  # no large site
+    assert not probes_apply([torch.arange(20), torch.arange(20, 40)], 20)  # nothing to tie them
+    # More numbers between the large and the small sites' coordinates than MAX_PROBED_ENTRIES.
+    assert not probes_apply([torch.arange(5), torch.arange(5, 5005)], 1000)
+    assert not probes_apply(
+        [torch.arange(16 * k, 16 * k + 16) for k in range(5)] + [torch.arange(80, 100)], 20
+    )
 
 
 def test_many_sites_tied_to_an_intercept_are_probed_and_whitened_together(monkeypatch):
@@ -498,7 +580,8 @@ def test_many_sites_tied_to_an_intercept_are_probed_and_whitened_together(monkey
 
     monkeypatch.setattr(upkeep, "probed_block_hessians", spy)
     pdvi = problem.fit(40)
-    assert len(found) == 1 and found[0] is not None and found[0].shape == (6, 22, 22)
+    assert len(found) == 1 and found[0] is not None
+    assert found[0].diagonal.shape == (6, 20) and found[0].cross.shape == (6, 20, 2)
     assert pdvi.whitened_sites == ["AutoNormal.locs.a", "AutoNormal.locs.w"]
     effects = pdvi.layout.slices["AutoNormal.locs.a"]
     coefficients = pdvi.layout.slices["AutoNormal.locs.w"]
