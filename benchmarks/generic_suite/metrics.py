@@ -61,6 +61,7 @@ PLOTTED = {
     "poisson": ("rmse_mean", "sd_error"),
     "poisson200": ("rmse_mean", "sd_error"),
     "poisson200_few": ("rmse_mean", "sd_error"),
+    "poisson1000": ("rmse_mean", "sd_error"),
     "negbin": ("rmse_mean", "sd_error"),
 }
 

@@ -63,6 +63,8 @@ name           model
                sites' effects are measured by probes (13zo)
 ``poisson200_few`` the same 200 sites with 2,000 rows (10 a site): the priors pull the sites'
                effects more, and the tie is weaker (13zo)
+``poisson1000`` the same model with 1,000 sites and 20,000 rows (20 a site): a group of 1,006
+               tied coordinates, more than a dense penalty takes (session 40, 13zp)
 ``negbin``     negative-binomial regression (known total count 2) with a random intercept per
                site, synthetic: 20 sites of 100 rows, one block per site (data sorted by
                site, as by patient), ``AutoNormal``, ``Trace_ELBO()`` (session 39)
@@ -104,6 +106,7 @@ PROBLEM_NAMES = (
     "poisson",
     "poisson200",
     "poisson200_few",
+    "poisson1000",
     "negbin",
 )
 
@@ -758,6 +761,8 @@ def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
         return NegativeBinomialRandomIntercept(dtype)
     if name == "poisson200_few":
         return PoissonRandomIntercept(dtype, num_data=2000, num_sites=200, name="poisson200_few")
+    if name == "poisson1000":
+        return PoissonRandomIntercept(dtype, num_data=20_000, num_sites=1000, name="poisson1000")
     raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")
 
 

@@ -296,6 +296,7 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "poisson": poisson_neg_elbo,
     "poisson200": poisson_neg_elbo,
     "poisson200_few": poisson_neg_elbo,
+    "poisson1000": poisson_neg_elbo,
     "negbin": negbin_neg_elbo,
 }
 
@@ -314,6 +315,7 @@ PARAM_NAMES: dict[str, list[str]] = {
     "poisson": auto_names("w", "tau", "a"),
     "poisson200": auto_names("w", "tau", "a"),
     "poisson200_few": auto_names("w", "tau", "a"),
+    "poisson1000": auto_names("w", "tau", "a"),
     "negbin": auto_names("w", "tau", "a"),
 }
 
