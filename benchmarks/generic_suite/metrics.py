@@ -62,6 +62,7 @@ PLOTTED = {
     "poisson200": ("rmse_mean", "sd_error"),
     "poisson200_few": ("rmse_mean", "sd_error"),
     "poisson1000": ("rmse_mean", "sd_error"),
+    "poisson_slopes": ("rmse_mean", "sd_error"),
     "negbin": ("rmse_mean", "sd_error"),
 }
 

@@ -65,6 +65,9 @@ name           model
                effects more, and the tie is weaker (13zo)
 ``poisson1000`` the same model with 1,000 sites and 20,000 rows (20 a site): a group of 1,006
                tied coordinates, more than a dense penalty takes (session 40, 13zp)
+``poisson_slopes`` ``poisson200``'s design with a random slope on time per site too
+               (``b_g ~ N(0, tau_b^2)``, ``tau_b ~ HalfNormal(1)``): each site's intercept and
+               slope tied to each other, which the whitening's probes refuse (13zp)
 ``negbin``     negative-binomial regression (known total count 2) with a random intercept per
                site, synthetic: 20 sites of 100 rows, one block per site (data sorted by
                site, as by patient), ``AutoNormal``, ``Trace_ELBO()`` (session 39)
@@ -107,6 +110,7 @@ PROBLEM_NAMES = (
     "poisson200",
     "poisson200_few",
     "poisson1000",
+    "poisson_slopes",
     "negbin",
 )
 
@@ -617,6 +621,44 @@ class PoissonRandomIntercept(Problem):
         return AutoNormal(self.model)
 
 
+class PoissonRandomSlopes(PoissonRandomIntercept):
+    """:class:`PoissonRandomIntercept` with a random slope per site on time (the first covariate)
+    too, ``b_g ~ N(0, tau_b^2)``, ``tau_b ~ HalfNormal(1)``: a growth curve per site. Each site's
+    intercept and slope are tied to each other (time is not centred within a block) as well as to
+    the shared coefficients."""
+
+    def __init__(
+        self, dtype: torch.dtype, num_data: int = 10_000, num_sites: int = 200, num_blocks: int = 20
+    ) -> None:
+        super().__init__(dtype, num_data, num_sites, num_blocks, name="poisson_slopes")
+        generator = torch.Generator().manual_seed(2)
+        slopes = 0.3 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
+        x, site = self.data["x"], self.data["site"]
+        log_rate = x @ torch.tensor([1.0, 0.5, -0.3, 0.2, 0.4], dtype=torch.float64)
+        intercepts = 0.5 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
+        rate = torch.exp(log_rate + intercepts[site] + slopes[site] * x[:, 1])
+        y = torch.poisson(rate, generator=generator)
+        self.data["y"] = y
+        self.title = (
+            f"Poisson regression with a random intercept and a random slope on time per site, "
+            f"{num_data} rows, {num_sites} sites, AutoNormal, {num_blocks} blocks sorted by time"
+        )
+        self.y = y.to(self.x.dtype)
+
+    def _model(self, idx):
+        zero = self.x.new_zeros(())
+        w = pyro.sample("w", dist.Normal(zero, self.prior_scale).expand([self.x.shape[1]]).to_event(1))
+        tau = pyro.sample("tau", dist.HalfNormal(zero + self.tau_prior_scale))
+        tau_b = pyro.sample("tau_b", dist.HalfNormal(zero + self.tau_prior_scale))
+        with pyro.plate("sites", self.num_sites):
+            a = pyro.sample("a", dist.Normal(zero, tau))
+            b = pyro.sample("b", dist.Normal(zero, tau_b))
+        with pyro.plate("data", self.num_data, subsample=idx) as ind:
+            time = self.x[ind, 1]
+            log_mean = (self.x[ind] * w).sum(-1) + a[..., self.site[ind]] + b[..., self.site[ind]] * time
+            pyro.sample("y", self.likelihood(log_mean), obs=self.y[ind])
+
+
 class NegativeBinomialRandomIntercept(PoissonRandomIntercept):
     """:class:`PoissonRandomIntercept`'s design with a negative-binomial likelihood (mean
     ``exp(x w + a_site)``, total count :attr:`total_count`, known) and one block per site: the
@@ -761,6 +803,8 @@ def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
         return NegativeBinomialRandomIntercept(dtype)
     if name == "poisson200_few":
         return PoissonRandomIntercept(dtype, num_data=2000, num_sites=200, name="poisson200_few")
+    if name == "poisson_slopes":
+        return PoissonRandomSlopes(dtype)
     if name == "poisson1000":
         return PoissonRandomIntercept(dtype, num_data=20_000, num_sites=1000, name="poisson1000")
     raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")
@@ -778,6 +822,7 @@ __all__ = [
     "NormalScale",
     "OverdispersedLogistic",
     "PoissonRandomIntercept",
+    "PoissonRandomSlopes",
     "Problem",
     "RobustRegression",
     "make_problem",

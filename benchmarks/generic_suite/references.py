@@ -55,6 +55,7 @@ from .models import (
     NormalScale,
     OverdispersedLogistic,
     PoissonRandomIntercept,
+    PoissonRandomSlopes,
     Problem,
     RobustRegression,
 )
@@ -258,6 +259,23 @@ def poisson_neg_elbo(problem: PoissonRandomIntercept, params: dict[str, torch.Te
     return -(total + (y * log_rate_mean - expected_rate - torch.lgamma(y + 1)).sum())
 
 
+def poisson_slopes_neg_elbo(problem: PoissonRandomSlopes, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`poisson_neg_elbo` with each site's slope on time: its prior (scale ``tau_b``) and
+    entropy, and ``b_site t`` in the log rate's mean and variance."""
+    y, time, site = problem.data["y"], problem.data["x"][:, 1], problem.data["site"]
+    total, log_rate_mean, log_rate_variance = random_intercept_terms(problem, params)
+    m_tau, s_tau = params["AutoNormal.locs.tau_b"], params["AutoNormal.scales.tau_b"]
+    m_b, s_b = params["AutoNormal.locs.b"], params["AutoNormal.scales.b"]
+    total = total + lognormal_site_terms(m_tau, s_tau, "halfnormal", problem.tau_prior_scale)
+    inverse_variance = torch.exp(-2 * m_tau + 2 * s_tau.square())
+    total = total + (-0.5 * LOG_2PI - m_tau - 0.5 * inverse_variance * (m_b.square() + s_b.square())).sum()
+    total = total + gaussian_entropy(s_b)
+    log_rate_mean = log_rate_mean + m_b[site] * time
+    log_rate_variance = log_rate_variance + s_b[site].square() * time.square()
+    expected_rate = torch.exp(log_rate_mean + 0.5 * log_rate_variance)
+    return -(total + (y * log_rate_mean - expected_rate - torch.lgamma(y + 1)).sum())
+
+
 def negbin_neg_elbo(
     problem: NegativeBinomialRandomIntercept, params: dict[str, torch.Tensor]
 ) -> torch.Tensor:
@@ -297,6 +315,7 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "poisson200": poisson_neg_elbo,
     "poisson200_few": poisson_neg_elbo,
     "poisson1000": poisson_neg_elbo,
+    "poisson_slopes": poisson_slopes_neg_elbo,
     "negbin": negbin_neg_elbo,
 }
 
@@ -316,6 +335,7 @@ PARAM_NAMES: dict[str, list[str]] = {
     "poisson200": auto_names("w", "tau", "a"),
     "poisson200_few": auto_names("w", "tau", "a"),
     "poisson1000": auto_names("w", "tau", "a"),
+    "poisson_slopes": auto_names("w", "tau", "tau_b", "a", "b"),
     "negbin": auto_names("w", "tau", "a"),
 }
 
