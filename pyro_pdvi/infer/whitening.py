@@ -292,6 +292,9 @@ class SiteWhitening:
         ``U`` (``"forward"``), ``U^-1`` (``"inverse"``), ``U^-T`` (``"dual_forward"``) or ``U^T``
         (``"dual_inverse"``)."""
         ties, factor, inverse = (m.to(x) for m in (self.ties[g], self.factors[g], self.inverses[g]))
+        if not len(ties):  # no diagonal part: U = V (no concatenation in the solve's graph)
+            matrix = {"forward": factor.T, "inverse": inverse.T, "dual_forward": inverse}.get(kind, factor)
+            return x @ matrix
         first, rest = x[..., : len(ties)], x[..., len(ties) :]
         if kind == "forward":
             return torch.cat([first + rest @ ties.T, rest @ factor.T], dim=-1)
