@@ -9,6 +9,7 @@ from pyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_pdvi import PDVI, BlockProblem
+from pyro_pdvi.infer import upkeep
 from pyro_pdvi.models.gmm import GMMBlockSolver, GMMModel, make_biased_gmm
 
 from .infer.test_solve_noise import GROUP_BLOCKS, GROUP_DATA, GROUP_OF, GROUPS, _group_posterior
@@ -274,6 +275,16 @@ def test_sites_probed_and_whitened_together_on_cuda():
     assert pdvi.whitened_sites == ["AutoNormal.locs.a", "AutoNormal.locs.w"]
     assert pdvi._coupling.factors[0].device.type == "cuda" and pdvi.state.consensus.device.type == "cuda"
     assert problem.error() < 1e-6
+
+
+def test_sampled_blocks_measured_again_on_cuda(monkeypatch):
+    """Concentration measured again on every row where blocks were sampled (``docs/benchmarks.md``
+    13zp) on the device: 40 sites' effects spread over 6 blocks of 100, first measured on 16 rows
+    of each, are not concentrated, as on the CPU (``tests/infer/test_whitening.py``)."""
+    monkeypatch.setattr(upkeep, "CURVATURE_ROWS", 16)
+    problem = SiteIntercepts(num_data=600, num_sites=40, device="cuda")
+    pdvi = problem.fit(2)
+    assert pdvi.concentrated_sites == {} and pdvi.state.information.device.type == "cuda"
 
 
 def test_a_model_written_for_one_draw_is_found_and_looped_on_cuda():
