@@ -589,12 +589,37 @@ class PoissonRandomIntercept(Problem):
         coefficients = torch.tensor([1.0, 0.5, -0.3, 0.2, 0.4], dtype=torch.float64)
         rate = torch.exp(x @ coefficients + 0.5 * randn(num_sites)[site])
         y = torch.poisson(rate, generator=generator)
-        super().__init__(
-            name=name,
-            title=f"Poisson regression with a random intercept per site, {num_data} rows, "
+        self._set_counts(
+            dtype,
+            name,
+            f"Poisson regression with a random intercept per site, {num_data} rows, "
             f"{num_sites} sites, AutoNormal, {num_blocks} blocks sorted by time",
-            num_data=num_data,
-            blocks=sorted_blocks(covariates[:, 0], num_blocks),
+            x,
+            y,
+            site,
+            num_sites,
+            sorted_blocks(covariates[:, 0], num_blocks),
+        )
+
+    def _set_counts(
+        self,
+        dtype: torch.dtype,
+        name: str,
+        title: str,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        site: torch.Tensor,
+        num_sites: int,
+        blocks: list[torch.Tensor],
+    ) -> None:
+        """The :class:`Problem` of design ``x`` (float64), counts ``y`` and each row's ``site`` of
+        ``num_sites``."""
+        Problem.__init__(
+            self,
+            name=name,
+            title=title,
+            num_data=len(y),
+            blocks=blocks,
             loss_class=Trace_ELBO,
             loss_kwargs={},
             primary="rmse_mean",
@@ -606,12 +631,20 @@ class PoissonRandomIntercept(Problem):
     def _model(self, idx):
         zero = self.x.new_zeros(())
         w = pyro.sample("w", dist.Normal(zero, self.prior_scale).expand([self.x.shape[1]]).to_event(1))
-        tau = pyro.sample("tau", dist.HalfNormal(zero + self.tau_prior_scale))
+        scales = self.effect_scales(zero)
         with pyro.plate("sites", self.num_sites):
-            a = pyro.sample("a", dist.Normal(zero, tau))
+            effects = {name: pyro.sample(name, dist.Normal(zero, scale)) for name, scale in scales.items()}
         with pyro.plate("data", self.num_data, subsample=idx) as ind:
-            log_mean = (self.x[ind] * w).sum(-1) + a[..., self.site[ind]]
+            log_mean = (self.x[ind] * w).sum(-1) + self.site_terms(effects, ind)
             pyro.sample("y", self.likelihood(log_mean), obs=self.y[ind])
+
+    def effect_scales(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Samples the prior scale of each kind of site effect: ``a``'s, ``tau``."""
+        return {"a": pyro.sample("tau", dist.HalfNormal(zero + self.tau_prior_scale))}
+
+    def site_terms(self, effects: dict[str, torch.Tensor], ind: torch.Tensor) -> torch.Tensor:
+        """Each row's share of the log mean from its site's effects."""
+        return effects["a"][..., self.site[ind]]
 
     def likelihood(self, log_mean: torch.Tensor) -> dist.Distribution:
         """The counts' distribution given their log mean."""
@@ -645,18 +678,13 @@ class PoissonRandomSlopes(PoissonRandomIntercept):
         )
         self.y = y.to(self.x.dtype)
 
-    def _model(self, idx):
-        zero = self.x.new_zeros(())
-        w = pyro.sample("w", dist.Normal(zero, self.prior_scale).expand([self.x.shape[1]]).to_event(1))
-        tau = pyro.sample("tau", dist.HalfNormal(zero + self.tau_prior_scale))
-        tau_b = pyro.sample("tau_b", dist.HalfNormal(zero + self.tau_prior_scale))
-        with pyro.plate("sites", self.num_sites):
-            a = pyro.sample("a", dist.Normal(zero, tau))
-            b = pyro.sample("b", dist.Normal(zero, tau_b))
-        with pyro.plate("data", self.num_data, subsample=idx) as ind:
-            time = self.x[ind, 1]
-            log_mean = (self.x[ind] * w).sum(-1) + a[..., self.site[ind]] + b[..., self.site[ind]] * time
-            pyro.sample("y", self.likelihood(log_mean), obs=self.y[ind])
+    def effect_scales(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
+        scales = super().effect_scales(zero)
+        scales["b"] = pyro.sample("tau_b", dist.HalfNormal(zero + self.tau_prior_scale))
+        return scales
+
+    def site_terms(self, effects: dict[str, torch.Tensor], ind: torch.Tensor) -> torch.Tensor:
+        return super().site_terms(effects, ind) + effects["b"][..., self.site[ind]] * self.x[ind, 1]
 
 
 class NegativeBinomialRandomIntercept(PoissonRandomIntercept):
@@ -680,20 +708,17 @@ class NegativeBinomialRandomIntercept(PoissonRandomIntercept):
             torch.manual_seed(1)
             rate = torch.distributions.Gamma(self.total_count, self.total_count / mean).sample()
         y = torch.poisson(rate, generator=generator)
-        Problem.__init__(
-            self,
-            name="negbin",
-            title=f"negative-binomial regression (total count {self.total_count:g}) with a random "
+        self._set_counts(
+            dtype,
+            "negbin",
+            f"negative-binomial regression (total count {self.total_count:g}) with a random "
             f"intercept per site, {num_sites} sites of {rows_per_site} rows, AutoNormal, one block per site",
-            num_data=num_data,
-            blocks=[torch.nonzero(site == g).reshape(-1) for g in range(num_sites)],
-            loss_class=Trace_ELBO,
-            loss_kwargs={},
-            primary="rmse_mean",
-            data={"x": x, "y": y, "site": site},
+            x,
+            y,
+            site,
+            num_sites,
+            [torch.nonzero(site == g).reshape(-1) for g in range(num_sites)],
         )
-        self.num_sites = num_sites
-        self.x, self.y, self.site = x.to(dtype), y.to(dtype), site
 
     def likelihood(self, log_mean: torch.Tensor) -> dist.Distribution:
         return dist.NegativeBinomial(self.total_count, logits=log_mean - math.log(self.total_count))
