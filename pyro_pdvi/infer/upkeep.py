@@ -45,6 +45,7 @@ from .whitening import (
     MAX_UNIT_VECTOR_SITE,
     MAX_WHITENED_COORDINATES,
     GroupHessians,
+    SiteWhitening,
     joint_group,
     measure_whitening,
     probed_block_hessians,
@@ -244,10 +245,16 @@ class StepSizeUpkeep:
 
     def _warn_of_concentrated_coordinates(self) -> None:
         """Tell the user, once, that some coordinates are informed by about one block each, whether
-        they were coupled, and what that measured to cost against SVI (``docs/benchmarks.md``
-        13j-13m)."""
+        they were coupled (or whitened with the sites they are tied to), and what that measured to
+        cost against SVI (``docs/benchmarks.md`` 13j-13m)."""
         listed = ", ".join(f"{name!r} ({count})" for name, count in self.concentrated_sites.items())
-        if self._coupling is None:
+        if isinstance(self._coupling, SiteWhitening):
+            whitened = ", ".join(repr(name) for name in self.whitened_sites)
+            remedy = (
+                f"PDVI whitens them with the sites they are tied to, {whitened} (PDVI.whitened_sites): "
+                "one dense penalty sees that split."
+            )
+        elif self._coupling is None:
             remedy = (
                 "They are not coupled with such a site (PDVI.coupled_sites is empty), so a split "
                 "that only the priors fix converges slowly here."
@@ -274,13 +281,31 @@ class StepSizeUpkeep:
         owners again at the one ``lambda_0`` of now and release those that most blocks inform
         there (:meth:`ConsensusState.release_shared`; not where processes share the steps, each
         of which holds its own blocks' arguments only), couple those that remain
-        (:meth:`_couple`), and warn of them once.
+        (:meth:`_couple`) unless the whitening's probed group will take them
+        (:meth:`_whitening_candidates`), and warn of them once.
 
         Both take every block's Hessian products at that point and noise, each block's graph
         built once and kept until the pass ends (on the suite's random-effects model half of the
         coupling's cost was a second model call per block), and each unit column once: the
         coupling's first pass reads the confirmation's. Once per run, then, the graphs of every
         block (the whole data's, double-backward buffers included) are held at once."""
+        hessians = self._kept_block_hessians(args, kwargs)
+        # Evaluations at signatures that need not recur (this step's arguments for blocks not
+        # kept in _first_step_args) are not recorded.
+        with self._objective.one_off():
+            if not self._shares_steps:
+                self._measure_sampled_blocks_again(hessians)
+            if not self._shares_steps and bool(self._state.concentrated.any()):
+                self._state.release_shared(hessians.diagonal, self._not_held(self._state.concentrated))
+            group_takes = self._group_takes_concentrated()
+            if bool(self._state.concentrated.any()) and not group_takes:
+                self._couple(hessians)
+        if self.concentrated_sites and not group_takes:  # else warned once the group is measured
+            self._warn_of_concentrated_coordinates()
+
+    def _kept_block_hessians(self, args: tuple, kwargs: dict) -> KeptBlockHessians:
+        """Every block's Hessian products at ``lambda_0`` and one noise, each block's graph kept
+        (:class:`KeptBlockHessians`), on every row of the block."""
         seed = self._side_seed(-3)
 
         def block_products(b: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -289,18 +314,7 @@ class StepSizeUpkeep:
             block_args, block_kwargs = self._first_step_args.get(b, (args, kwargs))
             return self._block_hessian_products(b, block_args, block_kwargs, seed + b, COUPLING_RELATIVE_STEP)
 
-        hessians = KeptBlockHessians(block_products, self._state.information)
-        # Evaluations at signatures that need not recur (this step's arguments for blocks not
-        # kept in _first_step_args) are not recorded.
-        with self._objective.one_off():
-            if not self._shares_steps:
-                self._measure_sampled_blocks_again(hessians)
-            if not self._shares_steps and bool(self._state.concentrated.any()):
-                self._state.release_shared(hessians.diagonal, self._not_held(self._state.concentrated))
-            if bool(self._state.concentrated.any()):
-                self._couple(hessians)
-        if self.concentrated_sites:
-            self._warn_of_concentrated_coordinates()
+        return KeptBlockHessians(block_products, self._state.information)
 
     def _measure_sampled_blocks_again(self, hessians: KeptBlockHessians) -> None:
         """Measure again the concentrated coordinates' information in each block first measured
@@ -380,6 +394,46 @@ class StepSizeUpkeep:
             and isinstance(self.solver, GenericSolver)
         )
 
+    def _whitening_candidates(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Each global site's coordinates that the whitening may take (:meth:`_whiten_sites`):
+        under the natural rule, moved by the solves (not a held scale) and informed; and of those,
+        the concentrated coordinates it takes too. A concentrated coordinate is otherwise left to
+        the coupling (:meth:`_couple`); here, where every one belongs to a site of more than
+        :data:`~pyro_pdvi.infer.whitening.MAX_UNIT_VECTOR_SITE` shared coordinates and those sites
+        form a probed group (:func:`~pyro_pdvi.infer.whitening.probes_apply`), the group takes them:
+        a random slope that only the blocks at the ends of time inform, beside the slopes that
+        every block does (``docs/benchmarks.md`` 13zq). The coupling and the whitening exclude
+        each other, and the group's one dense penalty sees the ties the coupling would.
+
+        :returns: the candidate sites' coordinates, and a mask of the concentrated ones among them.
+        """
+        state = self._state
+        eligible = self._not_held(self._step_sizes.natural_coordinates().to(state.concentrated.device))
+        eligible &= state.information_total > 0
+        shared = eligible & ~state.concentrated
+        concentrated = eligible & state.concentrated
+        in_large = torch.zeros_like(concentrated)
+        for span in self.layout.slices.values():
+            in_large[span] = int(shared[span].sum()) > MAX_UNIT_VECTOR_SITE
+        taken = concentrated & in_large
+        if bool(taken.any()) and not bool((concentrated & ~in_large).any()):
+            sites = self._site_coordinates(shared | taken, 1, shared.numel())
+            if probes_apply(sites, len(self.partition)):
+                return sites, taken
+        return self._site_coordinates(shared, 1, shared.numel()), torch.zeros_like(taken)
+
+    def _group_takes_concentrated(self) -> bool:
+        """Whether the whitening's probed group would take the concentrated coordinates
+        (:meth:`_whitening_candidates`), which are then not coupled."""
+        return self._may_whiten() and bool(self._whitening_candidates()[1].any())
+
+    def _site_positions(self, sites: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each coordinate's place in its site (its index into the site's flattened value)."""
+        starts = torch.zeros(self._state.consensus.numel(), dtype=torch.long)
+        for span in self.layout.slices.values():
+            starts[span] = span.start
+        return [c - starts[c] for c in sites]
+
     def _site_coordinates(
         self, eligible: torch.Tensor, smallest: int, largest: int = MAX_WHITENED_COORDINATES
     ) -> list[torch.Tensor]:
@@ -420,11 +474,12 @@ class StepSizeUpkeep:
         (:mod:`~pyro_pdvi.infer.whitening`) and carry the state into its coordinates. Only the
         generic solver's, in one process, where no coordinates are coupled, and only coordinates
         under the natural rule that the solves move (not a held scale), that many blocks inform
-        (not a concentrated one): a site of 2 to ``MAX_WHITENED_COORDINATES`` of them, or all the
-        sites as one group where they have that many together
-        (:func:`~pyro_pdvi.infer.whitening.joint_group`), or with larger sites whose own Hessians
-        are diagonal, measured by probes
-        (:func:`~pyro_pdvi.infer.whitening.probed_block_hessians`). Each block's Hessian is
+        (not a concentrated one, but where a probed group takes them: :meth:`_whitening_candidates`):
+        a site of 2 to ``MAX_WHITENED_COORDINATES`` of them, or all the sites as one group where
+        they have that many together (:func:`~pyro_pdvi.infer.whitening.joint_group`), or with
+        larger sites whose own Hessians are diagonal or tied to each other position by position,
+        measured by probes (:func:`~pyro_pdvi.infer.whitening.probed_block_hessians`, the places
+        from :meth:`_site_positions`). Each block's Hessian is
         measured at ``lambda_0``, on at most :data:`WHITENING_ROWS` of its data (all of them where
         the model does not take a subset, or where the group is probed).
 
@@ -441,19 +496,26 @@ class StepSizeUpkeep:
                 self._apply_step_sizes()
             return
         state = self._state
-        eligible = self._not_held(self._step_sizes.natural_coordinates().to(state.concentrated.device))
-        eligible &= ~state.concentrated & (state.information_total > 0)
-        sites = self._site_coordinates(eligible, 1, eligible.numel())
+        sites, taken = self._whitening_candidates()
         products = self._site_products(args, kwargs, self._side_seed(-6), WHITENING_ROWS)
         hessians, natural = None, None
         if probes_apply(sites, len(self.partition)):
             # On every row of a block: a few products each, and a subset would see few of a
             # random effect's sites, each with a weight that overstates it (docs/benchmarks.md 13zp).
             every_row = self._site_products(args, kwargs, self._side_seed(-6), max_rows=None)
+            positions = self._site_positions(sites)
             with self._objective.one_off():
-                probed = probed_block_hessians(every_row, len(self.partition), sites, state.consensus)
+                probed = probed_block_hessians(
+                    every_row, len(self.partition), sites, state.consensus, positions
+                )
             if probed is not None:
                 hessians = [probed]
+            elif bool(taken.any()):
+                # The group cannot take the concentrated coordinates: they are coupled, as where no
+                # group would have (then nothing is whitened).
+                self._couple_after_all(args, kwargs)
+                self._apply_step_sizes()
+                return
         if hessians is not None:
             coordinates, round_sites = [probed_order(sites)], []
             # The large sites keep the natural rule's constant: docs/benchmarks.md 13zo.
@@ -479,6 +541,8 @@ class StepSizeUpkeep:
             round_sites += found_round
         self._set_round_sites_scale(round_sites)
         if whitening is None:
+            if bool(taken.any()):
+                self._couple_after_all(args, kwargs)
             self._apply_step_sizes()
             return
         self._coupling = whitening.to(state.consensus)
@@ -490,6 +554,16 @@ class StepSizeUpkeep:
         curvature = whitening.curvature_diagonal(kept).abs()
         state.set_coordinate_information(whitening.whitened, curvature)
         self._write_consensus()
+        if bool(taken.any()):
+            self._warn_of_concentrated_coordinates()
+
+    def _couple_after_all(self, args: tuple, kwargs: dict) -> None:
+        """Couple the concentrated coordinates that the whitening's group was to take
+        (:meth:`_whitening_candidates`) where its probes refused it or it was not whitened, and
+        warn of them."""
+        with self._objective.one_off():
+            self._couple(self._kept_block_hessians(args, kwargs))
+        self._warn_of_concentrated_coordinates()
 
     def _may_scale_round_sites(self) -> bool:
         """Whether round sites would take :func:`~pyro_pdvi.infer.step_sizes.round_site_scale`

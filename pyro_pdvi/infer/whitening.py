@@ -30,7 +30,10 @@ where the sites of more than :data:`MAX_UNIT_VECTOR_SITE` have a diagonal Hessia
 random effect's): those are measured by two probes each (:func:`probed_block_hessians`), come
 first in the group (:func:`probed_order`) and keep the natural rule's constant, and the group's
 ``U`` is an arrow, the identity on them but for their ties to the others (:class:`SiteWhitening`),
-so that a random effect of thousands of sites costs as much per coordinate as one of ten.
+so that a random effect of thousands of sites costs as much per coordinate as one of ten. Large
+sites tied to each other position by position (a random intercept and a random slope per site)
+are measured by the same probes, and each position's coordinates are one unit of the arrow, within
+which ``U`` is dense (:class:`GroupHessians`).
 Elsewhere "site" below reads "group".
 
 ``F_s`` is measured once, when every block has had its first step (at the end of the first
@@ -126,18 +129,26 @@ def probed_order(sites: list[torch.Tensor]) -> torch.Tensor:
 @dataclass
 class GroupHessians:
     """Every block's Hessian on one group's coordinates, in the group's order, stored as an arrow:
-    diagonal on its first ``L`` coordinates (a probed group's large sites, :func:`probed_order`;
+    block diagonal on its first ``L`` coordinates (a probed group's large sites, :func:`probed_order`;
     none for a group measured by unit vectors), dense on the other ``s`` and between them and the
-    first. ``n (L + L s + s^2)`` numbers, where the dense matrices would be ``n (L + s)^2``.
+    first. The first part's blocks are its **units**: one coordinate each (a random effect's, whose
+    own Hessian is diagonal), or, where large sites are tied to each other position by position
+    (each site's random intercept with its random slope), the coordinates at one position of every
+    such site. ``n (L r + L s + s^2)`` numbers (``r`` a unit's size), where the dense matrices
+    would be ``n (L + s)^2``.
 
-    :param diagonal: the first ``L`` coordinates' curvatures, ``(n, L)``.
+    :param diagonal: the first ``L`` coordinates' curvatures, ``(n, L)``; where ``units`` is given,
+        the units' blocks, ``(n, m, r, r)``.
     :param cross: the entries between those and the others, ``(n, L, s)``.
     :param dense: the others' Hessians, ``(n, s, s)``.
+    :param units: each unit's coordinates among the first ``L`` (their places in the group's
+        order), ``(m, r)``, ``-1`` where a unit has fewer than ``r``; ``None``: one coordinate each.
     """
 
     diagonal: torch.Tensor
     cross: torch.Tensor
     dense: torch.Tensor
+    units: torch.Tensor | None = None
 
     @classmethod
     def of_sites(cls, hessians: torch.Tensor, coordinates: list[torch.Tensor]) -> list[GroupHessians]:
@@ -155,9 +166,36 @@ class GroupHessians:
         return all(bool(torch.isfinite(t).all()) for t in (self.diagonal, self.cross, self.dense))
 
     def totals(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The blocks' sums ``(D, B, C)`` of ``F = [[diag(D), B], [B', C]]``, ``C`` symmetrised."""
+        """The blocks' sums ``(D, B, C)`` of ``F = [[D, B], [B', C]]`` (``D`` as ``diagonal``
+        stores it), ``C`` symmetrised."""
         dense = self.dense.sum(0)
         return self.diagonal.sum(0), self.cross.sum(0), (dense + dense.T) / 2
+
+    def leading_diagonal(self) -> torch.Tensor:
+        """The first ``L`` coordinates' curvatures, ``(n, L)``, in the group's order."""
+        if self.units is None:
+            return self.diagonal
+        return unpad(self.diagonal.diagonal(dim1=-2, dim2=-1), self.units)
+
+
+def unpad_index(units: torch.Tensor) -> torch.Tensor:
+    """Where each leading coordinate sits among the units' places, flattened, ``(L,)``."""
+    present = units.reshape(-1) >= 0
+    order = units.reshape(-1)[present].argsort()
+    return present.nonzero().reshape(-1)[order]
+
+
+def unpad(values: torch.Tensor, units: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """Values per unit and place, ``(..., m, r)``, as values per leading coordinate ``(..., L)``
+    (the places marked ``-1`` dropped); ``index``: :func:`unpad_index` of ``units``, if known."""
+    return values.flatten(-2)[..., unpad_index(units) if index is None else index]
+
+
+def pad(values: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    """Values per leading coordinate ``(..., L)`` as values per unit and place ``(..., m, r)``,
+    zero where a unit has no coordinate."""
+    padded = torch.cat([values, values.new_zeros(*values.shape[:-1], 1)], dim=-1)
+    return padded[..., units.clamp(min=-1) % (values.shape[-1] + 1)]
 
 
 def probed_block_hessians(
@@ -165,6 +203,7 @@ def probed_block_hessians(
     num_blocks: int,
     sites: list[torch.Tensor],
     like: torch.Tensor,
+    positions: list[torch.Tensor] | None = None,
     tolerance: float = 1e-3,
 ) -> GroupHessians | None:
     """Every block's Hessian on a joint group's coordinates (in :func:`probed_order`), measured with few
@@ -173,25 +212,49 @@ def probed_block_hessians(
     probes, ``1_S`` (its ones) and ``r_S`` (random signs on it). Where ``S``'s own Hessian is diagonal
     and ``S`` is not tied to the other large sites (a random effect per site of the data: each ``a_g``
     enters its own rows only), ``(H 1_S)_S`` is that diagonal, ``(H r_S)_S`` equals it times ``r_S``, and
-    both vanish on the other large sites; any block where a probe shows otherwise (beyond ``tolerance``
-    of the diagonal's largest entry) returns ``None``. This is the grouping of Hessian columns by Curtis,
-    Powell & Reid (1974) for that pattern: a group of 200 sites' effects and 6 shared coordinates costs 8
-    products a block, not 206.
+    both vanish on the other large sites. Where large sites are tied to each other position by position
+    (``positions`` given: each site's random intercept ``a_g`` with its random slope ``b_g``, and with
+    nothing else), ``(H 1_S)_T`` is the entry between ``S``'s and ``T``'s coordinates of each position
+    and ``(H r_S)_T`` equals it times ``S``'s sign there: those entries are the group's units
+    (:class:`GroupHessians`), one per position. Any block where a probe shows otherwise (beyond
+    ``tolerance`` of ``S``'s largest curvature) returns ``None``. This is the grouping of Hessian
+    columns by Curtis, Powell & Reid (1974) for that pattern: a group of 200 sites' effects and 6 shared
+    coordinates costs 8 products a block, not 206.
 
     :param products: ``(b, V) -> V H_b`` for directions ``V`` of shape ``(k, P)``.
     :param num_blocks: n.
     :param sites: the group's sites' flat coordinates.
     :param like: a tensor whose last size is ``P``, whose dtype and device the directions take.
-    :returns: the arrow (diagonal on the large sites), float64 on the host, or ``None``.
+    :param positions: each site's coordinates' places in their site (the index into the site's
+        flattened value); ``None``: the large sites share no place, and any tie between two of them
+        refuses the group.
+    :param tolerance: the largest error a probe may show, relative to its site's largest curvature.
+    :returns: the arrow (its units of one coordinate each where no two large sites are tied), float64
+        on the host, or ``None``.
     """
     group = probed_order(sites)
-    large = [c for c in sites if len(c) > MAX_UNIT_VECTOR_SITE]
+    is_large = [len(c) > MAX_UNIT_VECTOR_SITE for c in sites]
+    large = [c for c, keep in zip(sites, is_large) if keep]
     large_index = torch.cat(large)
     small_index = group[len(large_index) :]
+    offsets = torch.tensor([0] + [len(c) for c in large]).cumsum(0)
+    if positions is None:
+        places = [torch.arange(int(offsets[j]), int(offsets[j + 1])) for j in range(len(large))]
+    else:
+        places = [p.cpu() for p, keep in zip(positions, is_large) if keep]
+    every_place = torch.cat(places).unique()
+    unit_of = [torch.searchsorted(every_place, p) for p in places]
+    units = torch.full((len(every_place), len(large)), -1, dtype=torch.long)
+    for j, unit in enumerate(unit_of):
+        units[unit, j] = torch.arange(int(offsets[j]), int(offsets[j + 1]))
     generator = torch.Generator().manual_seed(len(group))
     signs = [
         2 * torch.randint(0, 2, (len(site),), generator=generator, dtype=torch.float64) - 1 for site in large
     ]
+    # Site j's sign at each unit (0 where it has no coordinate there).
+    sign_at = torch.zeros(len(large), len(every_place), dtype=torch.float64)
+    for j, unit in enumerate(unit_of):
+        sign_at[j, unit] = signs[j]
     directions = [unit_vectors(like, small_index)]
     for site, site_signs in zip(large, signs):
         probes = like.new_zeros(2, like.shape[-1])
@@ -199,25 +262,28 @@ def probed_block_hessians(
         probes[1, site] = site_signs.to(probes)
         directions.append(probes)
     directions = torch.cat(directions)
-    diagonals, crosses, denses = [], [], []
+    blocks = torch.zeros(num_blocks, len(every_place), len(large), len(large), dtype=torch.float64)
+    crosses, denses = [], []
     for b in range(num_blocks):
         found = products(b, directions).to("cpu", torch.float64)
         rows = found[: len(small_index)]
-        diagonal = []
         for j, site in enumerate(large):
             ones, signed = found[len(small_index) + 2 * j], found[len(small_index) + 2 * j + 1]
-            others = large_index[~torch.isin(large_index, site)]
-            error = torch.cat([signed[site] - ones[site] * signs[j], ones[others], signed[others]])
-            scale = float(ones[site].abs().max())
-            if not bool(torch.isfinite(error).all()) or float(error.abs().max()) > tolerance * max(
-                scale, 1e-30
-            ):
-                return None
-            diagonal.append(ones[site])
-        diagonals.append(torch.cat(diagonal))
+            scale = max(float(ones[site].abs().max()), 1e-30)
+            for t, other in enumerate(large):
+                tie, sign = ones[other], sign_at[j, unit_of[t]]
+                error = torch.cat([signed[other] - tie * sign, tie[sign == 0]])
+                if not bool(torch.isfinite(error).all()) or float(error.abs().max()) > tolerance * scale:
+                    return None
+                blocks[b, unit_of[t], j, t] = tie * (sign != 0)
         crosses.append(rows[:, large_index].T)
         denses.append(rows[:, small_index])
-    return GroupHessians(torch.stack(diagonals), torch.stack(crosses), torch.stack(denses))
+    blocks = (blocks + blocks.transpose(-1, -2)) / 2
+    diagonal = blocks.diagonal(dim1=-2, dim2=-1)
+    ties = blocks - torch.diag_embed(diagonal)
+    if float(ties.abs().amax()) <= tolerance * float(diagonal.abs().max()):
+        return GroupHessians(unpad(diagonal, units), torch.stack(crosses), torch.stack(denses))
+    return GroupHessians(blocks, torch.stack(crosses), torch.stack(denses), units)
 
 
 #: A site is whitened where the diagonal penalty leaves its curvature at least this ill-conditioned
@@ -242,10 +308,12 @@ MAX_STEP_GROWTH = 1000.0
 
 class SiteWhitening:
     """The linear map ``lambda~ = T lambda`` of the module docstring: ``T`` is the identity but on
-    each whitened group's coordinates, where it is that group's ``U = [[I, E], [0, V]]``: ``I`` on
-    its first ``L`` coordinates (a probed group's large sites, whose own Hessian is diagonal), ``E =
-    diag(D)^-1 B`` their ties to the other ``s``, and ``V`` unit upper triangular on those (the whole
-    ``U`` for a group with no diagonal part, ``L = 0``). Applying it costs ``L s + s^2``.
+    each whitened group's coordinates, where it is that group's ``U = [[U_D, E], [0, V]]``: ``U_D``
+    on its first ``L`` coordinates (a probed group's large sites): the identity where their own
+    Hessian is diagonal, else unit upper triangular within each unit (:class:`GroupHessians`); ``E =
+    Delta_D^-1 U_D^-T B`` their ties to the other ``s``; and ``V`` unit upper triangular on those
+    (the whole ``U`` for a group with no diagonal part, ``L = 0``). Applying it costs ``L r + L s +
+    s^2``.
 
     :param coordinates: each whitened group's flat coordinates, a list of ``(L_g + s_g,)``
         LongTensors.
@@ -253,6 +321,10 @@ class SiteWhitening:
     :param step_growth: per coordinate, the factor on its step size in ``lambda~`` (1 where not
         whitened), shape ``(P,)``.
     :param ties: each group's ``E``, ``(L_g, s_g)``; ``None``: no group has a diagonal part.
+    :param units: each group's units (:class:`GroupHessians`), or ``None`` where its ``U_D`` is the
+        identity; ``None``: every group's is.
+    :param unit_factors: each group's ``U_D`` per unit, ``(m_g, r_g, r_g)`` (the identity where a
+        unit has no coordinate), or ``None`` with its units.
     """
 
     def __init__(
@@ -261,14 +333,27 @@ class SiteWhitening:
         factors: list[torch.Tensor],
         step_growth: torch.Tensor,
         ties: list[torch.Tensor] | None = None,
+        units: list[torch.Tensor | None] | None = None,
+        unit_factors: list[torch.Tensor | None] | None = None,
     ) -> None:
         self.coordinates = coordinates
         self.factors = factors
         self.ties = ties if ties is not None else [v.new_zeros(0, len(v)) for v in factors]
+        self.units = units if units is not None else [None] * len(factors)
+        self.unit_factors = unit_factors if unit_factors is not None else [None] * len(factors)
         self.inverses = [
             torch.linalg.solve_triangular(u, torch.eye(len(u), dtype=u.dtype, device=u.device), upper=True)
             for u in factors
         ]
+        self.unit_inverses = [
+            None
+            if u is None
+            else torch.linalg.solve_triangular(
+                u, torch.eye(u.shape[-1], dtype=u.dtype, device=u.device).expand_as(u), upper=True
+            )
+            for u in self.unit_factors
+        ]
+        self._unpad_indices = [None if u is None else unpad_index(u) for u in self.units]
         self.step_growth = step_growth
         # Each group's coordinates as a slice where they are contiguous and in order (AutoNormal's
         # locations of a site are), the groups ordered: the map then concatenates pieces rather
@@ -285,7 +370,20 @@ class SiteWhitening:
             [u.to(like) for u in self.factors],
             self.step_growth.to(like),
             [e.to(like) for e in self.ties],
+            [None if u is None else u.to(like.device) for u in self.units],
+            [None if u is None else u.to(like) for u in self.unit_factors],
         )
+
+    def _unit_map(self, x: torch.Tensor, g: int, inverse: bool, transpose: bool) -> torch.Tensor:
+        """Group ``g``'s first ``L`` coordinates of ``x`` mapped by ``U_D`` (or its inverse, or the
+        transpose of either): each unit by its ``r x r`` matrix."""
+        units = self.units[g]
+        if units is None:
+            return x
+        matrices = (self.unit_inverses if inverse else self.unit_factors)[g].to(x)
+        units, index = units.to(x.device), self._unpad_indices[g].to(x.device)
+        pattern = "...mj,mji->...mi" if transpose else "...mj,mij->...mi"
+        return unpad(torch.einsum(pattern, pad(x, units), matrices), units, index)
 
     def _group_map(self, x: torch.Tensor, g: int, kind: str) -> torch.Tensor:
         """Group ``g``'s part of ``x`` (its coordinates along the last axis, in its order) mapped by
@@ -297,13 +395,16 @@ class SiteWhitening:
             return x @ matrix
         first, rest = x[..., : len(ties)], x[..., len(ties) :]
         if kind == "forward":
-            return torch.cat([first + rest @ ties.T, rest @ factor.T], dim=-1)
+            return torch.cat(
+                [self._unit_map(first, g, False, False) + rest @ ties.T, rest @ factor.T], dim=-1
+            )
         if kind == "inverse":
             rest = rest @ inverse.T
-            return torch.cat([first - rest @ ties.T, rest], dim=-1)
+            return torch.cat([self._unit_map(first - rest @ ties.T, g, True, False), rest], dim=-1)
         if kind == "dual_forward":
+            first = self._unit_map(first, g, True, True)
             return torch.cat([first, (rest - first @ ties) @ inverse], dim=-1)
-        return torch.cat([first, first @ ties + rest @ factor], dim=-1)
+        return torch.cat([self._unit_map(first, g, False, True), first @ ties + rest @ factor], dim=-1)
 
     def _mapped(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         """``x`` with each group's coordinates mapped by :meth:`_group_map`."""
@@ -339,15 +440,28 @@ class SiteWhitening:
     def curvature_diagonal(self, hessians: list[GroupHessians]) -> torch.Tensor:
         """The diagonal of ``T^{-T} H_b T^{-1}`` at the whitened coordinates, for each whitened
         group's blocks' Hessians: each block's curvature in ``lambda~``, shape ``(n, k)``. Column
-        ``j`` of ``U^-1`` is ``e_j`` on the first ``L`` coordinates, and ``(-E V^-1 e_j, V^-1 e_j)``
-        on the others."""
+        ``j`` of ``U^-1`` is ``U_D^-1 e_j`` on the first ``L`` coordinates, and ``(-U_D^-1 E V^-1
+        e_j, V^-1 e_j)`` on the others."""
         out = []
-        for ties, inverse, group in zip(self.ties, self.inverses, hessians):
-            inverse = inverse.to(group.dense)
-            spread = -ties.to(group.dense) @ inverse
-            out.append(group.diagonal)
+        for g, group in enumerate(hessians):
+            inverse = self.inverses[g].to(group.dense)
+            spread = -self.ties[g].to(group.dense) @ inverse
+            units = self.units[g]
+            if units is None:
+                out.append(group.diagonal)
+                own = torch.einsum("lj,bl,lj->bj", spread, group.diagonal, spread)
+            else:
+                unit_inverse = self.unit_inverses[g].to(group.dense)
+                out.append(
+                    unpad(
+                        torch.einsum("mij,bmik,mkj->bmj", unit_inverse, group.diagonal, unit_inverse), units
+                    )
+                )
+                spread = self._unit_map(spread.T, g, True, False).T
+                padded = pad(spread.T, units)
+                own = torch.einsum("jmu,bmuv,jmv->bj", padded, group.diagonal, padded)
             out.append(
-                torch.einsum("lj,bl,lj->bj", spread, group.diagonal, spread)
+                own
                 + 2 * torch.einsum("lj,bli,ij->bj", spread, group.cross, inverse)
                 + torch.einsum("ij,bik,kj->bj", inverse, group.dense, inverse)
             )
@@ -365,12 +479,21 @@ class SiteWhitening:
             "factors": self.factors,
             "step_growth": self.step_growth,
             "ties": self.ties,
+            "units": self.units,
+            "unit_factors": self.unit_factors,
         }
 
     @classmethod
     def from_state_dict(cls, state: dict) -> SiteWhitening:
-        """The map saved by :meth:`state_dict` (a checkpoint without ``ties``: none)."""
-        return cls(state["coordinates"], state["factors"], state["step_growth"], state.get("ties"))
+        """The map saved by :meth:`state_dict` (a checkpoint without ``ties`` or ``units``: none)."""
+        return cls(
+            state["coordinates"],
+            state["factors"],
+            state["step_growth"],
+            state.get("ties"),
+            state.get("units"),
+            state.get("unit_factors"),
+        )
 
 
 def diagonal_condition(matrix: torch.Tensor) -> float:
@@ -421,11 +544,13 @@ def measure_whitening(
     scale_factor: float,
     natural: torch.Tensor | None = None,
 ) -> tuple[SiteWhitening | None, list[torch.Tensor]]:
-    """The whitening of the groups whose summed Hessian is positive definite and at least
+    """The whitening of the groups whose summed Hessian is positive definite (or, in a group with a
+    diagonal part, made so by :func:`modified_ldl`) and at least
     :data:`MIN_WHITENED_CONDITION` ill-conditioned for a diagonal penalty, and the groups that a
     diagonal penalty already leaves round. A group's ``U`` is that of the Cholesky factorisation of
-    ``F = [[diag(D), B], [B', C]]`` (:class:`SiteWhitening`): ``E = diag(D)^-1 B``, and ``V`` and
-    ``Delta`` from the Schur complement ``C - B' diag(D)^-1 B``.
+    ``F = [[D, B], [B', C]]`` (:class:`SiteWhitening`), ``D`` diagonal or block diagonal by units:
+    ``U_D`` and ``Delta_D`` from ``D``'s, ``E = Delta_D^-1 U_D^-T B``, and ``V`` and ``Delta`` from
+    the Schur complement ``C - B' D^-1 B`` (:func:`_factorise`).
 
     :param hessians: every block's Hessian on the candidate coordinates, the groups in order,
         ``(n, k, k)`` (``k = sum_s k_s``, symmetric up to rounding), or each group's
@@ -443,32 +568,176 @@ def measure_whitening(
     """
     if isinstance(hessians, torch.Tensor):
         hessians = GroupHessians.of_sites(hessians, coordinates)
-    kept, factors, ties, round_sites = [], [], [], []
+    kept, factors, ties, units, unit_factors, round_sites = [], [], [], [], [], []
     growth = None
     for index, group in zip(coordinates, hessians):
-        diagonal, cross, dense = group.totals()
-        growth = dense.new_ones(size) if growth is None else growth
-        spread = cross / diagonal[:, None]
-        schur = dense - cross.T @ spread
-        factor, info = torch.linalg.cholesky_ex((schur + schur.T) / 2)
-        if int(info) != 0 or not bool(torch.isfinite(factor).all() and (diagonal > 0).all()):
+        factorised = _factorise(group)
+        growth = group.dense.new_ones(size) if growth is None else growth
+        if factorised is None:
             continue  # not positive definite here (a non-convex spot): the group stays diagonal
-        if arrow_condition(diagonal, cross, dense) < MIN_WHITENED_CONDITION:
+        factor, spread, unit_factor, pivots = factorised
+        if _condition(group, factorised) < MIN_WHITENED_CONDITION:
             round_sites.append(index)  # the diagonal penalty already sees this group's curvature
             continue
-        pivots = factor.diagonal()
         kept.append(index)
-        factors.append(factor.T / pivots[:, None])
+        factors.append(factor)
         ties.append(spread)
-        constant = torch.full((len(index),), scale_factor, dtype=dense.dtype)
+        units.append(group.units)
+        unit_factors.append(unit_factor)
+        constant = torch.full((len(index),), scale_factor, dtype=pivots.dtype)
         if natural is not None:
             constant[torch.isin(index, natural.cpu())] = 1.0
-        # F_jj / Delta_j: 1 on the first L coordinates, whose Delta_j is D_j.
-        curvature = torch.cat([diagonal, dense.diagonal()]) / torch.cat([diagonal, pivots.square()])
+        # F_jj / Delta_j: 1 on the first L coordinates where their units are single.
+        dense = group.totals()[2]
+        curvature = torch.cat([group.leading_diagonal().sum(0), dense.diagonal()]) / pivots.square()
         growth[index.to(growth.device)] = constant * curvature.clamp(max=MAX_STEP_GROWTH)
     if not kept:
         return None, round_sites
-    return SiteWhitening(kept, factors, growth, ties), round_sites
+    return SiteWhitening(kept, factors, growth, ties, units, unit_factors), round_sites
+
+
+def _eliminate_leading(
+    group: GroupHessians,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+    """A group's first ``L`` coordinates eliminated from its summed Hessian ``F = [[D, B], [B',
+    C]]``: ``E``, ``U_D`` per unit (``None`` where units are single), ``Delta_D^1/2`` per
+    coordinate, and the Schur complement ``C - B' D^-1 B``; ``None`` where ``D`` is not positive
+    definite (or not finite). Per unit, ``D_u = L_u L_u'`` (Cholesky, pivots ``p``): ``U_D = (L_u /
+    p)'`` and ``E = Delta_D^-1 U_D^-T B = (L_u^-1 B) / p``."""
+    diagonal, cross, dense = group.totals()
+    if group.units is None:
+        if not bool(torch.isfinite(diagonal).all() and (diagonal > 0).all()):
+            return None
+        spread = cross / diagonal[:, None]
+        return spread, None, diagonal.sqrt(), dense - cross.T @ spread
+    absent = (group.units < 0).to(diagonal)
+    lower, info = torch.linalg.cholesky_ex(diagonal + torch.diag_embed(absent))
+    if bool((info != 0).any()) or not bool(torch.isfinite(lower).all()):
+        return None
+    pivots = lower.diagonal(dim1=-2, dim2=-1)
+    unit_factor = (lower / pivots[:, None, :]).transpose(-1, -2)
+    solved = torch.linalg.solve_triangular(lower, pad(cross.T, group.units).permute(1, 2, 0), upper=False)
+    spread = unpad((solved / pivots[..., None]).permute(2, 0, 1), group.units).T
+    return (
+        spread,
+        unit_factor,
+        unpad(pivots, group.units),
+        dense - torch.einsum("mrs,mrt->st", solved, solved),
+    )
+
+
+def _factorise(
+    group: GroupHessians,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+    """The factors of ``F = U' Delta U`` for a group's summed Hessian (:class:`SiteWhitening`'s
+    ``U``): ``V``, ``E``, ``U_D`` per unit (``None`` where units are single) and ``Delta^1/2`` per
+    coordinate in the group's order (:func:`_eliminate_leading`, then ``V`` from the Schur
+    complement's Cholesky factor, or, where that is not positive definite in a group with a
+    diagonal part, from :func:`modified_ldl`); ``None`` where ``F`` is not positive definite (or
+    not finite) otherwise."""
+    eliminated = _eliminate_leading(group)
+    if eliminated is None:
+        return None
+    spread, unit_factor, leading, schur = eliminated
+    schur = (schur + schur.T) / 2
+    factor, info = torch.linalg.cholesky_ex(schur)
+    if int(info) == 0 and bool(torch.isfinite(factor).all()):
+        rest = factor.diagonal()
+        return factor.T / rest[:, None], spread, unit_factor, torch.cat([leading, rest])
+    if not len(spread) or not bool(torch.isfinite(schur).all()):
+        return None  # a group with no diagonal part stays diagonal where F is not positive definite
+    own = group.totals()[2].diagonal()  # where the Schur complement's diagonal is not positive
+    upper, pivots = modified_ldl(schur, torch.where(schur.diagonal() > 0, schur.diagonal(), own))
+    return None if upper is None else (upper, spread, unit_factor, torch.cat([leading, pivots.sqrt()]))
+
+
+def modified_ldl(
+    matrix: torch.Tensor, floor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """``matrix = U' diag(d) U - M`` with ``U`` unit upper triangular and ``M`` diagonal, ``M_jj >=
+    0``: the LDL factorisation, each pivot ``d_j`` that is not positive replaced by ``floor_j`` and
+    the elimination continued with it (the modified Cholesky factorisation of Gill & Murray 1974, in
+    its simplest form). A probed group's Schur complement can have such a pivot at the first
+    epoch's end: on the suite's random-slopes model (``docs/benchmarks.md`` 13zq) the slope
+    coefficient's, its curvature with the sites' effects held fixed (641, of its own 97,959) less
+    its tie to the intercept (823), where some slopes that few data fix make the random slopes'
+    prior ``b^2 / (2 tau_b^2) + log tau_b``, not convex in ``(b, log tau_b)``, weigh. The group is
+    then whitened by the positive definite ``U' diag(d) U``, whose ties are ``F``'s. Refused, the
+    tie of the slopes' mean with the slope coefficient crawled.
+
+    :param matrix: symmetric, ``(s, s)``.
+    :param floor: each coordinate's pivot where its own is not positive (positive): the Schur
+        complement's diagonal where positive (the coordinate's curvature with the group's first
+        ``L`` coordinates held fixed; its own curvature ``F_jj``, 150 times that in the example
+        above, kept that tie crawling).
+    :returns: ``U`` and ``d``, or ``(None, None)`` where a floor that is needed is not positive.
+    """
+    size = len(matrix)
+    lower = torch.eye(size, dtype=matrix.dtype)
+    pivots = torch.zeros(size, dtype=matrix.dtype)
+    for j in range(size):
+        pivot = matrix[j, j] - (lower[j, :j].square() * pivots[:j]).sum()
+        pivot = pivot if pivot > 0 else floor[j]
+        if not pivot > 0:
+            return None, None
+        pivots[j] = pivot
+        below = matrix[j + 1 :, j] - (lower[j + 1 :, :j] * lower[j, :j] * pivots[:j]).sum(1)
+        lower[j + 1 :, j] = below / pivot
+    return lower.T.contiguous(), pivots
+
+
+def _condition(group: GroupHessians, factorised: tuple) -> float:
+    """:func:`arrow_condition` of a group's summed Hessian; where its units are not single, the
+    extreme eigenvalues of ``S^-1/2 F S^-1/2`` (``S = diag(F)``) and of its inverse by Lanczos
+    iterations, ``F`` and ``F^-1`` applied through the factors (:func:`_factorise`)."""
+    if group.units is None:
+        return arrow_condition(*group.totals())
+    factor, spread, unit_factor, pivots = factorised
+    size = len(pivots)
+    local = SiteWhitening(
+        [torch.arange(size)], [factor], pivots.new_ones(size), [spread], [group.units], [unit_factor]
+    )
+    scale = torch.cat([group.leading_diagonal().sum(0), group.totals()[2].diagonal()]).sqrt()
+    delta = pivots.square()
+
+    def curvature(x: torch.Tensor) -> torch.Tensor:
+        return local.dual_inverse(delta * local.forward(x / scale)) / scale
+
+    def inverse(x: torch.Tensor) -> torch.Tensor:
+        return local.inverse(local.dual_forward(x * scale) / delta) * scale
+
+    return _largest_eigenvalue(curvature, size, pivots) * _largest_eigenvalue(inverse, size, pivots)
+
+
+#: Lanczos iterations of :func:`_largest_eigenvalue`: the largest Ritz value converges first.
+LANCZOS_STEPS = 64
+
+
+def _largest_eigenvalue(
+    apply: Callable[[torch.Tensor], torch.Tensor], size: int, like: torch.Tensor
+) -> float:
+    """The largest eigenvalue of a symmetric positive definite operator on ``size`` coordinates, by
+    :data:`LANCZOS_STEPS` Lanczos iterations with full reorthogonalisation from a fixed start (exact
+    where ``size`` is at most that many; a lower bound otherwise)."""
+    start = torch.randn(size, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(like)
+    basis = [start / start.norm()]
+    alphas, betas = [], []
+    for _ in range(min(size, LANCZOS_STEPS)):
+        w = apply(basis[-1])
+        alphas.append(float(w @ basis[-1]))
+        stacked = torch.stack(basis)
+        w = w - stacked.T @ (stacked @ w)
+        w = w - stacked.T @ (stacked @ w)
+        beta = float(w.norm())
+        if beta <= 1e-12 * abs(alphas[0]):
+            break
+        betas.append(beta)
+        basis.append(w / beta)
+    k = len(alphas)
+    tridiagonal = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+    off = torch.tensor(betas[: k - 1], dtype=torch.float64)
+    tridiagonal += torch.diag(off, 1) + torch.diag(off, -1)
+    return float(torch.linalg.eigvalsh(tridiagonal)[-1])
 
 
 def site_hessians(
