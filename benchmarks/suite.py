@@ -14,8 +14,8 @@ PPCA on breast_cancer, 20 blocks sorted by label), ``robust`` (a Student-t regre
 Gamma weight per datum, diabetes, 20 blocks sorted by age), ``poisson`` (Poisson regression
 with a random intercept for each of 40 sites, 20 blocks sorted by time), ``poisson200`` and
 ``poisson200_few`` (the same with 200 sites, 10,000 and 2,000 rows), ``poisson1000`` (1,000
-sites, 20,000 rows), ``poisson_slopes`` (200 sites, a random slope on time per site too) and
-``negbin``
+sites, 20,000 rows), ``poisson_slopes`` (200 sites, a random slope on time per site too),
+``poisson_nested`` (200 sites in 20 regions, a random intercept per region too) and ``negbin``
 (negative-binomial regression with a random intercept for each of 20 sites, one block per site).
 
 Each model has an independent reference: the optimum of its mean-field family, from the

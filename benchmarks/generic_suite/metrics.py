@@ -63,6 +63,7 @@ PLOTTED = {
     "poisson200_few": ("rmse_mean", "sd_error"),
     "poisson1000": ("rmse_mean", "sd_error"),
     "poisson_slopes": ("rmse_mean", "sd_error"),
+    "poisson_nested": ("rmse_mean", "sd_error"),
     "negbin": ("rmse_mean", "sd_error"),
 }
 

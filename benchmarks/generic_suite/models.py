@@ -68,6 +68,9 @@ name           model
 ``poisson_slopes`` ``poisson200``'s design with a random slope on time per site too
                (``b_g ~ N(0, tau_b^2)``, ``tau_b ~ HalfNormal(1)``): each site's intercept and
                slope tied to each other, which the whitening's probes refuse (13zp)
+``poisson_nested`` ``poisson200``'s design with the 200 sites nested in 20 regions and a random
+               intercept per region too (``c_r ~ N(0, tau_c^2)``, ``tau_c ~ HalfNormal(1)``):
+               each region's effect tied to its ten sites' (session 41, 13zr)
 ``negbin``     negative-binomial regression (known total count 2) with a random intercept per
                site, synthetic: 20 sites of 100 rows, one block per site (data sorted by
                site, as by patient), ``AutoNormal``, ``Trace_ELBO()`` (session 39)
@@ -111,6 +114,7 @@ PROBLEM_NAMES = (
     "poisson200_few",
     "poisson1000",
     "poisson_slopes",
+    "poisson_nested",
     "negbin",
 )
 
@@ -634,6 +638,7 @@ class PoissonRandomIntercept(Problem):
         scales = self.effect_scales(zero)
         with pyro.plate("sites", self.num_sites):
             effects = {name: pyro.sample(name, dist.Normal(zero, scale)) for name, scale in scales.items()}
+        effects.update(self.grouped_effects(zero))
         with pyro.plate("data", self.num_data, subsample=idx) as ind:
             log_mean = (self.x[ind] * w).sum(-1) + self.site_terms(effects, ind)
             pyro.sample("y", self.likelihood(log_mean), obs=self.y[ind])
@@ -641,6 +646,10 @@ class PoissonRandomIntercept(Problem):
     def effect_scales(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
         """Samples the prior scale of each kind of site effect: ``a``'s, ``tau``."""
         return {"a": pyro.sample("tau", dist.HalfNormal(zero + self.tau_prior_scale))}
+
+    def grouped_effects(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Samples the effects of groups of sites, each kind in its own plate (none here)."""
+        return {}
 
     def site_terms(self, effects: dict[str, torch.Tensor], ind: torch.Tensor) -> torch.Tensor:
         """Each row's share of the log mean from its site's effects."""
@@ -685,6 +694,46 @@ class PoissonRandomSlopes(PoissonRandomIntercept):
 
     def site_terms(self, effects: dict[str, torch.Tensor], ind: torch.Tensor) -> torch.Tensor:
         return super().site_terms(effects, ind) + effects["b"][..., self.site[ind]] * self.x[ind, 1]
+
+
+class PoissonNestedIntercepts(PoissonRandomIntercept):
+    """:class:`PoissonRandomIntercept` with the sites nested in regions (site ``g`` in region ``g mod
+    R``) and a random intercept per region too, ``c_r ~ N(0, tau_c^2)``, ``tau_c ~ HalfNormal(1)``:
+    each region's effect is tied to its sites' (and all to the shared coefficients), not position by
+    position, so the whitening's probes refuse the two together."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        num_data: int = 10_000,
+        num_sites: int = 200,
+        num_regions: int = 20,
+        num_blocks: int = 20,
+    ) -> None:
+        super().__init__(dtype, num_data, num_sites, num_blocks, name="poisson_nested")
+        self.num_regions = num_regions
+        self.region = torch.arange(num_sites) % num_regions
+        generator = torch.Generator().manual_seed(3)
+        x, site = self.data["x"], self.data["site"]
+        log_rate = x @ torch.tensor([1.0, 0.5, -0.3, 0.2, 0.4], dtype=torch.float64)
+        regions = 0.5 * torch.randn(num_regions, generator=generator, dtype=torch.float64)
+        sites = 0.3 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
+        y = torch.poisson(torch.exp(log_rate + sites[site] + regions[self.region[site]]), generator=generator)
+        self.data["y"] = y
+        self.title = (
+            f"Poisson regression with a random intercept per site and per region, {num_data} rows, "
+            f"{num_sites} sites in {num_regions} regions, AutoNormal, {num_blocks} blocks sorted by time"
+        )
+        self.y = y.to(self.x.dtype)
+
+    def grouped_effects(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
+        scale = pyro.sample("tau_c", dist.HalfNormal(zero + self.tau_prior_scale))
+        with pyro.plate("regions", self.num_regions):
+            return {"c": pyro.sample("c", dist.Normal(zero, scale))}
+
+    def site_terms(self, effects: dict[str, torch.Tensor], ind: torch.Tensor) -> torch.Tensor:
+        site = self.site[ind]
+        return effects["a"][..., site] + effects["c"][..., self.region[site]]
 
 
 class NegativeBinomialRandomIntercept(PoissonRandomIntercept):
@@ -830,6 +879,8 @@ def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
         return PoissonRandomIntercept(dtype, num_data=2000, num_sites=200, name="poisson200_few")
     if name == "poisson_slopes":
         return PoissonRandomSlopes(dtype)
+    if name == "poisson_nested":
+        return PoissonNestedIntercepts(dtype)
     if name == "poisson1000":
         return PoissonRandomIntercept(dtype, num_data=20_000, num_sites=1000, name="poisson1000")
     raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")
@@ -846,6 +897,7 @@ __all__ = [
     "NegativeBinomialRandomIntercept",
     "NormalScale",
     "OverdispersedLogistic",
+    "PoissonNestedIntercepts",
     "PoissonRandomIntercept",
     "PoissonRandomSlopes",
     "Problem",

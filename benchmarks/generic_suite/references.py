@@ -54,6 +54,7 @@ from .models import (
     NegativeBinomialRandomIntercept,
     NormalScale,
     OverdispersedLogistic,
+    PoissonNestedIntercepts,
     PoissonRandomIntercept,
     PoissonRandomSlopes,
     Problem,
@@ -276,6 +277,25 @@ def poisson_slopes_neg_elbo(problem: PoissonRandomSlopes, params: dict[str, torc
     return -(total + (y * log_rate_mean - expected_rate - torch.lgamma(y + 1)).sum())
 
 
+def poisson_nested_neg_elbo(
+    problem: PoissonNestedIntercepts, params: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """:func:`poisson_neg_elbo` with each site's region's intercept: its prior (scale ``tau_c``) and
+    entropy, and ``c_region`` in the log rate's mean and variance."""
+    y, region = problem.data["y"], problem.region[problem.data["site"]]
+    total, log_rate_mean, log_rate_variance = random_intercept_terms(problem, params)
+    m_tau, s_tau = params["AutoNormal.locs.tau_c"], params["AutoNormal.scales.tau_c"]
+    m_c, s_c = params["AutoNormal.locs.c"], params["AutoNormal.scales.c"]
+    total = total + lognormal_site_terms(m_tau, s_tau, "halfnormal", problem.tau_prior_scale)
+    inverse_variance = torch.exp(-2 * m_tau + 2 * s_tau.square())
+    total = total + (-0.5 * LOG_2PI - m_tau - 0.5 * inverse_variance * (m_c.square() + s_c.square())).sum()
+    total = total + gaussian_entropy(s_c)
+    log_rate_mean = log_rate_mean + m_c[region]
+    log_rate_variance = log_rate_variance + s_c[region].square()
+    expected_rate = torch.exp(log_rate_mean + 0.5 * log_rate_variance)
+    return -(total + (y * log_rate_mean - expected_rate - torch.lgamma(y + 1)).sum())
+
+
 def negbin_neg_elbo(
     problem: NegativeBinomialRandomIntercept, params: dict[str, torch.Tensor]
 ) -> torch.Tensor:
@@ -316,6 +336,7 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "poisson200_few": poisson_neg_elbo,
     "poisson1000": poisson_neg_elbo,
     "poisson_slopes": poisson_slopes_neg_elbo,
+    "poisson_nested": poisson_nested_neg_elbo,
     "negbin": negbin_neg_elbo,
 }
 
@@ -336,6 +357,7 @@ PARAM_NAMES: dict[str, list[str]] = {
     "poisson200_few": auto_names("w", "tau", "a"),
     "poisson1000": auto_names("w", "tau", "a"),
     "poisson_slopes": auto_names("w", "tau", "tau_b", "a", "b"),
+    "poisson_nested": auto_names("w", "tau", "tau_c", "a", "c"),
     "negbin": auto_names("w", "tau", "a"),
 }
 

@@ -500,14 +500,7 @@ class StepSizeUpkeep:
         products = self._site_products(args, kwargs, self._side_seed(-6), WHITENING_ROWS)
         hessians, natural = None, None
         if probes_apply(sites, len(self.partition)):
-            # On every row of a block: a few products each, and a subset would see few of a
-            # random effect's sites, each with a weight that overstates it (docs/benchmarks.md 13zp).
-            every_row = self._site_products(args, kwargs, self._side_seed(-6), max_rows=None)
-            positions = self._site_positions(sites)
-            with self._objective.one_off():
-                probed = probed_block_hessians(
-                    every_row, len(self.partition), sites, state.consensus, positions
-                )
+            probed, unit_vector_size = self._probe_group(args, kwargs, sites)
             if probed is not None:
                 hessians = [probed]
             elif bool(taken.any()):
@@ -517,9 +510,9 @@ class StepSizeUpkeep:
                 self._apply_step_sizes()
                 return
         if hessians is not None:
-            coordinates, round_sites = [probed_order(sites)], []
+            coordinates, round_sites = [probed_order(sites, unit_vector_size)], []
             # The large sites keep the natural rule's constant: docs/benchmarks.md 13zo.
-            natural = torch.cat([c for c in sites if len(c) > MAX_UNIT_VECTOR_SITE])
+            natural = torch.cat([c for c in sites if len(c) > unit_vector_size])
         else:
             coordinates = joint_group(sites)
             round_sites = [c for c in coordinates if len(c) == 1]
@@ -556,6 +549,53 @@ class StepSizeUpkeep:
         self._write_consensus()
         if bool(taken.any()):
             self._warn_of_concentrated_coordinates()
+
+    def _probe_group(
+        self, args: tuple, kwargs: dict, sites: list[torch.Tensor]
+    ) -> tuple[GroupHessians | None, int]:
+        """Every block's Hessian on the probed group of ``sites``
+        (:func:`~pyro_pdvi.infer.whitening.probed_block_hessians`), on every row of a block: a few
+        products each, and a subset would see few of a random effect's sites, each with a weight
+        that overstates it (``docs/benchmarks.md`` 13zp). Where the probes refuse the group, the
+        smallest large site is measured by its unit vectors instead, while the group's unit vectors
+        stay within :data:`~pyro_pdvi.infer.whitening.MAX_WHITENED_COORDINATES`: a random effect
+        per region of the sites, tied to each of its sites' effects (not position by position),
+        is then measured exactly (13zr). Where every try is refused and a site is too large to be
+        whitened by its unit vectors, the user is told.
+
+        :returns: the group's Hessians (``None`` where refused) and the largest site measured by
+            its unit vectors.
+        """
+        every_row = self._site_products(args, kwargs, self._side_seed(-6), max_rows=None)
+        positions = self._site_positions(sites)
+        unit_vector_size = MAX_UNIT_VECTOR_SITE
+        while probes_apply(sites, len(self.partition), unit_vector_size):
+            with self._objective.one_off():
+                probed = probed_block_hessians(
+                    every_row, len(self.partition), sites, self._state.consensus, positions,
+                    unit_vector_size=unit_vector_size,
+                )  # fmt: skip
+            if probed is not None:
+                return probed, unit_vector_size
+            unit_vector_size = min(len(c) for c in sites if len(c) > unit_vector_size)
+        # Sites of at most MAX_WHITENED_COORDINATES may still be whitened by unit vectors
+        # (joint_group); larger ones keep a diagonal penalty.
+        left = [self.layout.site_of(int(c[0])) for c in sites if len(c) > MAX_WHITENED_COORDINATES]
+        if left:
+            warn_user(
+                f"PDVI could not measure how the coordinates of {', '.join(map(repr, left))} are tied "
+                "to the other global sites: their probes found a Hessian that is neither diagonal on "
+                "each site with more than 16 coordinates (a random effect's) nor tied between two such "
+                "sites coordinate to coordinate at the same place (a random intercept and a random "
+                "slope of the same sites), with at most "
+                f"{MAX_WHITENED_COORDINATES} coordinates of the others to measure one by one. They keep "
+                "a diagonal penalty, and a split between them and the shared sites that only the priors "
+                "fix (an intercept plus every group's effect) converges slowly: on the suite's "
+                "random-effects models that left PDVI's means 2-4x behind the best-tuned SVI+Adam's "
+                "(docs/benchmarks.md 13zo, 13zp). PDVI.whitened_sites lists the sites preconditioned "
+                "together."
+            )
+        return None, unit_vector_size
 
     def _couple_after_all(self, args: tuple, kwargs: dict) -> None:
         """Couple the concentrated coordinates that the whitening's group was to take

@@ -33,7 +33,9 @@ first in the group (:func:`probed_order`) and keep the natural rule's constant, 
 so that a random effect of thousands of sites costs as much per coordinate as one of ten. Large
 sites tied to each other position by position (a random intercept and a random slope per site)
 are measured by the same probes, and each position's coordinates are one unit of the arrow, within
-which ``U`` is dense (:class:`GroupHessians`).
+which ``U`` is dense (:class:`GroupHessians`). A large site tied to another otherwise (a random
+effect per region, tied to each of its sites' effects) is measured by its unit vectors, where
+they are few enough.
 Elsewhere "site" below reads "group".
 
 ``F_s`` is measured once, when every block has had its first step (at the end of the first
@@ -70,6 +72,9 @@ MAX_PROBED_ENTRIES = 2**24
 
 #: In a joint group, a site of at most this many coordinates is measured by its unit vectors; a
 #: larger one by two probes, where its own Hessian is diagonal (:func:`probed_block_hessians`).
+#: Where the probes refuse a group, its smallest large sites are measured by their unit vectors
+#: instead, as long as those stay within :data:`MAX_WHITENED_COORDINATES`
+#: (:meth:`~pyro_pdvi.infer.upkeep.StepSizeUpkeep._probe_group`).
 MAX_UNIT_VECTOR_SITE = 16
 
 
@@ -94,17 +99,20 @@ def joint_group(sites: list[torch.Tensor]) -> list[torch.Tensor]:
     return small
 
 
-def probes_apply(sites: list[torch.Tensor], num_blocks: int) -> bool:
+def probes_apply(
+    sites: list[torch.Tensor], num_blocks: int, unit_vector_size: int = MAX_UNIT_VECTOR_SITE
+) -> bool:
     """Whether ``sites`` form a joint group whose large sites :func:`probed_block_hessians` would
-    measure by probes: two sites or more, at least one site of more than
-    :data:`MAX_UNIT_VECTOR_SITE`, at most :data:`MAX_WHITENED_COORDINATES` unit vectors for the
-    others, and at most :data:`MAX_PROBED_ENTRIES` numbers in the blocks' Hessians between the two.
+    measure by probes: two sites or more, at least one site of more than ``unit_vector_size``
+    coordinates, at most :data:`MAX_WHITENED_COORDINATES` unit vectors for the others, and at most
+    :data:`MAX_PROBED_ENTRIES` numbers in the blocks' Hessians between the two.
 
     :param sites: the candidate sites' flat coordinates.
     :param num_blocks: n.
+    :param unit_vector_size: the largest site measured by its unit vectors.
     """
     sizes = [len(c) for c in sites]
-    small = sum(k for k in sizes if k <= MAX_UNIT_VECTOR_SITE)
+    small = sum(k for k in sizes if k <= unit_vector_size)
     large = sum(sizes) - small
     return (
         len(sites) >= 2
@@ -114,14 +122,14 @@ def probes_apply(sites: list[torch.Tensor], num_blocks: int) -> bool:
     )
 
 
-def probed_order(sites: list[torch.Tensor]) -> torch.Tensor:
+def probed_order(sites: list[torch.Tensor], unit_vector_size: int = MAX_UNIT_VECTOR_SITE) -> torch.Tensor:
     """A probed group's coordinates in the order it is whitened: the large sites' (more than
-    :data:`MAX_UNIT_VECTOR_SITE` coordinates) first, then the others', sorted. First, a large site's
+    ``unit_vector_size`` coordinates) first, then the others', sorted. First, a large site's
     coordinates are tied to nothing before them (their own Hessian is diagonal and not tied to the
     other large sites'), so their ``Delta_j = F_jj``: the map makes each ``a_g`` plus its share of
     the shared coordinates, which the data fix, and the shared coordinates, last, carry the tie."""
-    large = [c for c in sites if len(c) > MAX_UNIT_VECTOR_SITE]
-    small = [c for c in sites if len(c) <= MAX_UNIT_VECTOR_SITE]
+    large = [c for c in sites if len(c) > unit_vector_size]
+    small = [c for c in sites if len(c) <= unit_vector_size]
     rest = torch.cat(small).sort().values if small else sites[0][:0]
     return torch.cat([*large, rest])
 
@@ -205,6 +213,7 @@ def probed_block_hessians(
     like: torch.Tensor,
     positions: list[torch.Tensor] | None = None,
     tolerance: float = 1e-3,
+    unit_vector_size: int = MAX_UNIT_VECTOR_SITE,
 ) -> GroupHessians | None:
     """Every block's Hessian on a joint group's coordinates (in :func:`probed_order`), measured with few
     products where its large sites are diagonal: each site of at most :data:`MAX_UNIT_VECTOR_SITE`
@@ -229,11 +238,12 @@ def probed_block_hessians(
         flattened value); ``None``: the large sites share no place, and any tie between two of them
         refuses the group.
     :param tolerance: the largest error a probe may show, relative to its site's largest curvature.
+    :param unit_vector_size: the largest site measured by its unit vectors; a larger one is probed.
     :returns: the arrow (its units of one coordinate each where no two large sites are tied), float64
         on the host, or ``None``.
     """
-    group = probed_order(sites)
-    is_large = [len(c) > MAX_UNIT_VECTOR_SITE for c in sites]
+    group = probed_order(sites, unit_vector_size)
+    is_large = [len(c) > unit_vector_size for c in sites]
     large = [c for c, keep in zip(sites, is_large) if keep]
     large_index = torch.cat(large)
     small_index = group[len(large_index) :]

@@ -356,7 +356,8 @@ class SiteIntercepts:
     are tied along ``w_0 - c, a + c``, which only the priors fix, though neither site is ill
     conditioned alone. Gaussian with fixed scales: the mean-field optimum's means are the
     posterior means, a linear solve. With ``slopes``, a random slope per site too
-    (:class:`SiteSlopes`)."""
+    (:class:`SiteSlopes`); with ``regions``, the sites nested in that many regions (site ``g`` in
+    region ``g mod regions``) and a random intercept ``c_r ~ N(0, 0.3^2)`` per region too."""
 
     effect_scale, noise_scale = 0.3, 0.5
 
@@ -367,8 +368,10 @@ class SiteIntercepts:
         num_sites: int = 8,
         device: str = "cpu",
         slopes: bool = False,
+        regions: int = 0,
     ) -> None:
-        self.num_sites, self.slopes = num_sites, slopes
+        self.num_sites, self.slopes, self.regions = num_sites, slopes, regions
+        self.region = torch.arange(num_sites) % max(regions, 1)
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(num_data, generator=g, dtype=torch.float64)
         self.site = torch.randint(self.num_sites, (num_data,), generator=g)
@@ -377,10 +380,16 @@ class SiteIntercepts:
         )
         self.y = 1.0 + 0.5 * self.x + effects[0, self.site] + effects[-1, self.site] * self.x * slopes
         self.y = self.y + self.noise_scale * torch.randn(num_data, generator=g, dtype=torch.float64)
+        regional = self.effect_scale * torch.randn(regions, generator=torch.Generator().manual_seed(1))
+        self.y = self.y + regional.double()[self.region[self.site]] if regions else self.y
         self.blocks = [chunk.sort().values for chunk in self.x.argsort().tensor_split(num_blocks)]
         onehot = torch.nn.functional.one_hot(self.site, self.num_sites).double()
         columns = [torch.ones(num_data, 1, dtype=torch.float64), self.x[:, None], onehot]
-        design = torch.cat(columns + [onehot * self.x[:, None]] * slopes, 1)
+        columns += [onehot * self.x[:, None]] * slopes
+        columns += [torch.nn.functional.one_hot(self.region[self.site], max(regions, 1)).double()] * bool(
+            regions
+        )
+        design = torch.cat(columns, 1)
         prior = torch.cat([torch.ones(2), torch.full((design.shape[1] - 2,), self.effect_scale**-2)]).double()
         precision = design.T @ design / self.noise_scale**2 + torch.diag(prior)
         self.mean = torch.linalg.solve(precision, design.T @ self.y / self.noise_scale**2)
@@ -393,15 +402,21 @@ class SiteIntercepts:
             a = pyro.sample("a", dist.Normal(self.x.new_zeros(()), self.effect_scale))
             if self.slopes:
                 b = pyro.sample("b", dist.Normal(self.x.new_zeros(()), self.effect_scale))
+        if self.regions:
+            with pyro.plate("regions", self.regions):
+                c = pyro.sample("c", dist.Normal(self.x.new_zeros(()), self.effect_scale))
         with pyro.plate("data", len(self.y), subsample=idx) as ind:
             site, x = self.site[ind], self.x[ind]
             mean = w[..., 0:1] + w[..., 1:2] * x + a[..., site]
             if self.slopes:
                 mean = mean + b[..., site] * x
+            if self.regions:
+                mean = mean + c[..., self.region.to(site.device)[site]]
             pyro.sample("y", dist.Normal(mean, self.noise_scale), obs=self.y[ind])
 
     def error(self) -> float:
         names = ["AutoNormal.locs.w", "AutoNormal.locs.a"] + ["AutoNormal.locs.b"] * self.slopes
+        names += ["AutoNormal.locs.c"] * bool(self.regions)
         means = torch.cat([pyro.param(name) for name in names]).detach()
         return float((means.cpu() - self.mean).abs().max())
 
@@ -484,6 +499,44 @@ def test_random_intercepts_and_slopes_are_whitened_together_and_take_the_concent
         assert whitened < 0.1 * problem.error(), (whitened, problem.error())
     problem.fit(40)
     assert problem.error() < 1e-6
+
+
+def test_a_random_effect_per_region_is_measured_by_its_unit_vectors_where_the_probes_refuse_it(monkeypatch):
+    """60 sites' effects nested in 20 regions with an effect each (both sites larger than 16): the
+    probes refuse the two as large sites (each region's effect is tied to its three sites'), and the
+    regions are then measured by their unit vectors (22 of them with the shared coefficients) while
+    the sites' effects keep their two probes; the three sites are whitened and the means reach the
+    exact posterior means. Without that second try (82 coordinates, more than one group measured
+    by unit vectors takes: each site is then judged alone, round, and nothing is whitened) they are
+    at least 10x further after 10 epochs (measured: the largest error of a mean 3.8e-4 against
+    0.22; after 40 epochs 1.2e-8 against 0.081)."""
+    problem = SiteIntercepts(num_data=1800, num_sites=60, regions=20)
+    found = _spy_on_probes(monkeypatch)
+    pdvi = problem.fit(10)
+    assert [h is None for h in found] == [True, False] and found[1].diagonal.shape == (6, 60)
+    assert found[1].dense.shape == (6, 22, 22)
+    assert sorted(pdvi.whitened_sites) == ["AutoNormal.locs.a", "AutoNormal.locs.c", "AutoNormal.locs.w"]
+    demoted = problem.error()
+    with monkeypatch.context() as patch:
+        once = upkeep.probes_apply
+        patch.setattr(upkeep, "probes_apply", lambda sites, n, size=16: size == 16 and once(sites, n, size))
+        pdvi = problem.fit(10)
+        assert "AutoNormal.locs.a" not in pdvi.whitened_sites
+        assert demoted < 0.1 * problem.error(), (demoted, problem.error())
+    problem.fit(40)
+    assert problem.error() < 1e-6
+
+
+def test_pdvi_says_which_large_sites_it_could_not_whiten():
+    """100 sites' effects nested in 70 regions: the regions are too many to measure by unit vectors
+    (64), so the probes' refusal leaves both sites with a diagonal penalty, and the user is told,
+    the sites named."""
+    problem = SiteIntercepts(num_data=1200, num_sites=100, regions=70)
+    with pytest.warns(
+        UserWarning, match="could not measure how the coordinates of 'AutoNormal.locs.a', 'AutoNormal.locs.c'"
+    ):
+        pdvi = problem.fit(1)
+    assert "AutoNormal.locs.a" not in pdvi.whitened_sites
 
 
 def test_a_random_effect_that_every_block_informs_is_not_concentrated_where_blocks_were_sampled(monkeypatch):
