@@ -632,6 +632,16 @@ class PoissonRandomIntercept(Problem):
         self.num_sites = num_sites
         self.x, self.y, self.site = x.to(dtype), y.to(dtype), site
 
+    def _redraw_counts(self, effects: list[torch.Tensor], generator: torch.Generator, title: str) -> None:
+        """New counts from ``generator``, their log rate the design's coefficients' plus each of
+        ``effects`` (float64, one value per row), under ``title``: the data of a model that adds
+        effects to this one's."""
+        log_rate = self.data["x"] @ torch.tensor([1.0, 0.5, -0.3, 0.2, 0.4], dtype=torch.float64)
+        for effect in effects:
+            log_rate = log_rate + effect
+        y = torch.poisson(torch.exp(log_rate), generator=generator)
+        self.data["y"], self.title, self.y = y, title, y.to(self.x.dtype)
+
     def _model(self, idx):
         zero = self.x.new_zeros(())
         w = pyro.sample("w", dist.Normal(zero, self.prior_scale).expand([self.x.shape[1]]).to_event(1))
@@ -676,16 +686,13 @@ class PoissonRandomSlopes(PoissonRandomIntercept):
         generator = torch.Generator().manual_seed(2)
         slopes = 0.3 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
         x, site = self.data["x"], self.data["site"]
-        log_rate = x @ torch.tensor([1.0, 0.5, -0.3, 0.2, 0.4], dtype=torch.float64)
         intercepts = 0.5 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
-        rate = torch.exp(log_rate + intercepts[site] + slopes[site] * x[:, 1])
-        y = torch.poisson(rate, generator=generator)
-        self.data["y"] = y
-        self.title = (
+        self._redraw_counts(
+            [intercepts[site], slopes[site] * x[:, 1]],
+            generator,
             f"Poisson regression with a random intercept and a random slope on time per site, "
-            f"{num_data} rows, {num_sites} sites, AutoNormal, {num_blocks} blocks sorted by time"
+            f"{num_data} rows, {num_sites} sites, AutoNormal, {num_blocks} blocks sorted by time",
         )
-        self.y = y.to(self.x.dtype)
 
     def effect_scales(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
         scales = super().effect_scales(zero)
@@ -714,17 +721,15 @@ class PoissonNestedIntercepts(PoissonRandomIntercept):
         self.num_regions = num_regions
         self.region = torch.arange(num_sites) % num_regions
         generator = torch.Generator().manual_seed(3)
-        x, site = self.data["x"], self.data["site"]
-        log_rate = x @ torch.tensor([1.0, 0.5, -0.3, 0.2, 0.4], dtype=torch.float64)
+        site = self.data["site"]
         regions = 0.5 * torch.randn(num_regions, generator=generator, dtype=torch.float64)
         sites = 0.3 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
-        y = torch.poisson(torch.exp(log_rate + sites[site] + regions[self.region[site]]), generator=generator)
-        self.data["y"] = y
-        self.title = (
+        self._redraw_counts(
+            [sites[site], regions[self.region[site]]],
+            generator,
             f"Poisson regression with a random intercept per site and per region, {num_data} rows, "
-            f"{num_sites} sites in {num_regions} regions, AutoNormal, {num_blocks} blocks sorted by time"
+            f"{num_sites} sites in {num_regions} regions, AutoNormal, {num_blocks} blocks sorted by time",
         )
-        self.y = y.to(self.x.dtype)
 
     def grouped_effects(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
         scale = pyro.sample("tau_c", dist.HalfNormal(zero + self.tau_prior_scale))

@@ -235,6 +235,19 @@ def robust_neg_elbo(problem: RobustRegression, params: dict[str, torch.Tensor]) 
     return -total
 
 
+def effect_terms(
+    problem: PoissonRandomIntercept, params: dict[str, torch.Tensor], effect: str, scale: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A kind of Gaussian effect's terms of the count models: its scale's (``HalfNormal`` prior,
+    LogNormal q) and its own expected log prior and entropy; and its means and sds under q."""
+    m_tau, s_tau = params[f"AutoNormal.locs.{scale}"], params[f"AutoNormal.scales.{scale}"]
+    m, s = params[f"AutoNormal.locs.{effect}"], params[f"AutoNormal.scales.{effect}"]
+    total = lognormal_site_terms(m_tau, s_tau, "halfnormal", problem.tau_prior_scale)
+    inverse_variance = torch.exp(-2 * m_tau + 2 * s_tau.square())
+    total = total + (-0.5 * LOG_2PI - m_tau - 0.5 * inverse_variance * (m.square() + s.square())).sum()
+    return total + gaussian_entropy(s), m, s
+
+
 def random_intercept_terms(
     problem: PoissonRandomIntercept, params: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -243,38 +256,35 @@ def random_intercept_terms(
     ``x w + a_site``."""
     x, site = problem.data["x"], problem.data["site"]
     m_w, s_w = params["AutoNormal.locs.w"], params["AutoNormal.scales.w"]
-    m_tau, s_tau = params["AutoNormal.locs.tau"], params["AutoNormal.scales.tau"]
-    m_a, s_a = params["AutoNormal.locs.a"], params["AutoNormal.scales.a"]
     total = expected_normal_log_prob(m_w, s_w, problem.prior_scale) + gaussian_entropy(s_w)
-    total = total + lognormal_site_terms(m_tau, s_tau, "halfnormal", problem.tau_prior_scale)
-    inverse_variance = torch.exp(-2 * m_tau + 2 * s_tau.square())
-    total = total + (-0.5 * LOG_2PI - m_tau - 0.5 * inverse_variance * (m_a.square() + s_a.square())).sum()
-    total = total + gaussian_entropy(s_a)
+    effects, m_a, s_a = effect_terms(problem, params, "a", "tau")
+    total = total + effects
     return total, x @ m_w + m_a[site], x.square() @ s_w.square() + s_a[site].square()
 
 
+def poisson_expected_log_likelihood(
+    y: torch.Tensor, mean: torch.Tensor, variance: torch.Tensor
+) -> torch.Tensor:
+    """``sum E log Poisson(y | exp(t))`` for ``t ~ N(mean, variance)``."""
+    return (y * mean - torch.exp(mean + 0.5 * variance) - torch.lgamma(y + 1)).sum()
+
+
 def poisson_neg_elbo(problem: PoissonRandomIntercept, params: dict[str, torch.Tensor]) -> torch.Tensor:
-    y = problem.data["y"]
     total, log_rate_mean, log_rate_variance = random_intercept_terms(problem, params)
-    expected_rate = torch.exp(log_rate_mean + 0.5 * log_rate_variance)
-    return -(total + (y * log_rate_mean - expected_rate - torch.lgamma(y + 1)).sum())
+    return -(total + poisson_expected_log_likelihood(problem.data["y"], log_rate_mean, log_rate_variance))
 
 
 def poisson_slopes_neg_elbo(problem: PoissonRandomSlopes, params: dict[str, torch.Tensor]) -> torch.Tensor:
     """:func:`poisson_neg_elbo` with each site's slope on time: its prior (scale ``tau_b``) and
     entropy, and ``b_site t`` in the log rate's mean and variance."""
-    y, time, site = problem.data["y"], problem.data["x"][:, 1], problem.data["site"]
+    time, site = problem.data["x"][:, 1], problem.data["site"]
     total, log_rate_mean, log_rate_variance = random_intercept_terms(problem, params)
-    m_tau, s_tau = params["AutoNormal.locs.tau_b"], params["AutoNormal.scales.tau_b"]
-    m_b, s_b = params["AutoNormal.locs.b"], params["AutoNormal.scales.b"]
-    total = total + lognormal_site_terms(m_tau, s_tau, "halfnormal", problem.tau_prior_scale)
-    inverse_variance = torch.exp(-2 * m_tau + 2 * s_tau.square())
-    total = total + (-0.5 * LOG_2PI - m_tau - 0.5 * inverse_variance * (m_b.square() + s_b.square())).sum()
-    total = total + gaussian_entropy(s_b)
+    slopes, m_b, s_b = effect_terms(problem, params, "b", "tau_b")
     log_rate_mean = log_rate_mean + m_b[site] * time
     log_rate_variance = log_rate_variance + s_b[site].square() * time.square()
-    expected_rate = torch.exp(log_rate_mean + 0.5 * log_rate_variance)
-    return -(total + (y * log_rate_mean - expected_rate - torch.lgamma(y + 1)).sum())
+    return -(
+        total + slopes + poisson_expected_log_likelihood(problem.data["y"], log_rate_mean, log_rate_variance)
+    )
 
 
 def poisson_nested_neg_elbo(
@@ -282,18 +292,14 @@ def poisson_nested_neg_elbo(
 ) -> torch.Tensor:
     """:func:`poisson_neg_elbo` with each site's region's intercept: its prior (scale ``tau_c``) and
     entropy, and ``c_region`` in the log rate's mean and variance."""
-    y, region = problem.data["y"], problem.region[problem.data["site"]]
+    region = problem.region[problem.data["site"]]
     total, log_rate_mean, log_rate_variance = random_intercept_terms(problem, params)
-    m_tau, s_tau = params["AutoNormal.locs.tau_c"], params["AutoNormal.scales.tau_c"]
-    m_c, s_c = params["AutoNormal.locs.c"], params["AutoNormal.scales.c"]
-    total = total + lognormal_site_terms(m_tau, s_tau, "halfnormal", problem.tau_prior_scale)
-    inverse_variance = torch.exp(-2 * m_tau + 2 * s_tau.square())
-    total = total + (-0.5 * LOG_2PI - m_tau - 0.5 * inverse_variance * (m_c.square() + s_c.square())).sum()
-    total = total + gaussian_entropy(s_c)
+    regions, m_c, s_c = effect_terms(problem, params, "c", "tau_c")
     log_rate_mean = log_rate_mean + m_c[region]
     log_rate_variance = log_rate_variance + s_c[region].square()
-    expected_rate = torch.exp(log_rate_mean + 0.5 * log_rate_variance)
-    return -(total + (y * log_rate_mean - expected_rate - torch.lgamma(y + 1)).sum())
+    return -(
+        total + regions + poisson_expected_log_likelihood(problem.data["y"], log_rate_mean, log_rate_variance)
+    )
 
 
 def negbin_neg_elbo(
