@@ -15,7 +15,8 @@ Gamma weight per datum, diabetes, 20 blocks sorted by age), ``poisson`` (Poisson
 with a random intercept for each of 40 sites, 20 blocks sorted by time), ``poisson200`` and
 ``poisson200_few`` (the same with 200 sites, 10,000 and 2,000 rows), ``poisson1000`` (1,000
 sites, 20,000 rows), ``poisson_slopes`` (200 sites, a random slope on time per site too),
-``poisson_nested`` (200 sites in 20 regions, a random intercept per region too) and ``negbin``
+``poisson_nested`` (200 sites in 20 regions, a random intercept per region too),
+``poisson_crossed`` (200 sites, a random intercept per period of time too) and ``negbin``
 (negative-binomial regression with a random intercept for each of 20 sites, one block per site).
 
 Each model has an independent reference: the optimum of its mean-field family, from the

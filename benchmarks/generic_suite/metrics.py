@@ -64,6 +64,7 @@ PLOTTED = {
     "poisson1000": ("rmse_mean", "sd_error"),
     "poisson_slopes": ("rmse_mean", "sd_error"),
     "poisson_nested": ("rmse_mean", "sd_error"),
+    "poisson_crossed": ("rmse_mean", "sd_error"),
     "negbin": ("rmse_mean", "sd_error"),
 }
 

@@ -71,6 +71,9 @@ name           model
 ``poisson_nested`` ``poisson200``'s design with the 200 sites nested in 20 regions and a random
                intercept per region too (``c_r ~ N(0, tau_c^2)``, ``tau_c ~ HalfNormal(1)``):
                each region's effect tied to its ten sites' (session 41, 13zr)
+``poisson_crossed`` ``poisson200``'s design with a random intercept per period of time too (40
+               periods, ``d_p ~ N(0, tau_d^2)``, ``tau_d ~ HalfNormal(1)``): crossed random
+               effects, each period's inside one block (session 41, 13zs)
 ``negbin``     negative-binomial regression (known total count 2) with a random intercept per
                site, synthetic: 20 sites of 100 rows, one block per site (data sorted by
                site, as by patient), ``AutoNormal``, ``Trace_ELBO()`` (session 39)
@@ -115,6 +118,7 @@ PROBLEM_NAMES = (
     "poisson1000",
     "poisson_slopes",
     "poisson_nested",
+    "poisson_crossed",
     "negbin",
 )
 
@@ -658,8 +662,17 @@ class PoissonRandomIntercept(Problem):
         return {"a": pyro.sample("tau", dist.HalfNormal(zero + self.tau_prior_scale))}
 
     def grouped_effects(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Samples the effects of groups of sites, each kind in its own plate (none here)."""
+        """Samples the effects of groups of sites or rows, each kind in its own plate (none here)."""
         return {}
+
+    def group_intercepts(
+        self, zero: torch.Tensor, name: str, scale: str, count: int
+    ) -> dict[str, torch.Tensor]:
+        """A random intercept ``name`` for each of ``count`` groups, in the plate ``name + "_groups"``,
+        with the prior scale ``scale ~ HalfNormal``: :meth:`grouped_effects`' effects."""
+        tau = pyro.sample(scale, dist.HalfNormal(zero + self.tau_prior_scale))
+        with pyro.plate(f"{name}_groups", count):
+            return {name: pyro.sample(name, dist.Normal(zero, tau))}
 
     def site_terms(self, effects: dict[str, torch.Tensor], ind: torch.Tensor) -> torch.Tensor:
         """Each row's share of the log mean from its site's effects."""
@@ -732,13 +745,46 @@ class PoissonNestedIntercepts(PoissonRandomIntercept):
         )
 
     def grouped_effects(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
-        scale = pyro.sample("tau_c", dist.HalfNormal(zero + self.tau_prior_scale))
-        with pyro.plate("regions", self.num_regions):
-            return {"c": pyro.sample("c", dist.Normal(zero, scale))}
+        return self.group_intercepts(zero, "c", "tau_c", self.num_regions)
 
     def site_terms(self, effects: dict[str, torch.Tensor], ind: torch.Tensor) -> torch.Tensor:
         site = self.site[ind]
         return effects["a"][..., site] + effects["c"][..., self.region[site]]
+
+
+class PoissonCrossedIntercepts(PoissonRandomIntercept):
+    """:class:`PoissonRandomIntercept` with a random intercept per period of time too (the rows cut
+    into ``num_periods`` runs of equal size by time), ``d_p ~ N(0, tau_d^2)``, ``tau_d ~
+    HalfNormal(1)``: crossed random effects, a site's and a period's. The blocks are sorted by time,
+    so each period's effect is informed by one block, and each site's by every block."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        num_data: int = 10_000,
+        num_sites: int = 200,
+        num_periods: int = 40,
+        num_blocks: int = 20,
+    ) -> None:
+        super().__init__(dtype, num_data, num_sites, num_blocks, name="poisson_crossed")
+        self.num_periods = num_periods
+        self.period = torch.empty(num_data, dtype=torch.long)
+        self.period[self.data["x"][:, 1].argsort()] = torch.arange(num_data) * num_periods // num_data
+        generator = torch.Generator().manual_seed(4)
+        periods = 0.5 * torch.randn(num_periods, generator=generator, dtype=torch.float64)
+        sites = 0.5 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
+        self._redraw_counts(
+            [sites[self.data["site"]], periods[self.period]],
+            generator,
+            f"Poisson regression with a random intercept per site and per period of time, {num_data} "
+            f"rows, {num_sites} sites, {num_periods} periods, AutoNormal, {num_blocks} blocks sorted by time",
+        )
+
+    def grouped_effects(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.group_intercepts(zero, "d", "tau_d", self.num_periods)
+
+    def site_terms(self, effects: dict[str, torch.Tensor], ind: torch.Tensor) -> torch.Tensor:
+        return super().site_terms(effects, ind) + effects["d"][..., self.period[ind]]
 
 
 class NegativeBinomialRandomIntercept(PoissonRandomIntercept):
@@ -886,6 +932,8 @@ def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
         return PoissonRandomSlopes(dtype)
     if name == "poisson_nested":
         return PoissonNestedIntercepts(dtype)
+    if name == "poisson_crossed":
+        return PoissonCrossedIntercepts(dtype)
     if name == "poisson1000":
         return PoissonRandomIntercept(dtype, num_data=20_000, num_sites=1000, name="poisson1000")
     raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")
@@ -902,6 +950,7 @@ __all__ = [
     "NegativeBinomialRandomIntercept",
     "NormalScale",
     "OverdispersedLogistic",
+    "PoissonCrossedIntercepts",
     "PoissonNestedIntercepts",
     "PoissonRandomIntercept",
     "PoissonRandomSlopes",

@@ -54,6 +54,7 @@ from .models import (
     NegativeBinomialRandomIntercept,
     NormalScale,
     OverdispersedLogistic,
+    PoissonCrossedIntercepts,
     PoissonNestedIntercepts,
     PoissonRandomIntercept,
     PoissonRandomSlopes,
@@ -302,6 +303,20 @@ def poisson_nested_neg_elbo(
     )
 
 
+def poisson_crossed_neg_elbo(
+    problem: PoissonCrossedIntercepts, params: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """:func:`poisson_neg_elbo` with each row's period's intercept: its prior (scale ``tau_d``) and
+    entropy, and ``d_period`` in the log rate's mean and variance."""
+    total, log_rate_mean, log_rate_variance = random_intercept_terms(problem, params)
+    periods, m_d, s_d = effect_terms(problem, params, "d", "tau_d")
+    log_rate_mean = log_rate_mean + m_d[problem.period]
+    log_rate_variance = log_rate_variance + s_d[problem.period].square()
+    return -(
+        total + periods + poisson_expected_log_likelihood(problem.data["y"], log_rate_mean, log_rate_variance)
+    )
+
+
 def negbin_neg_elbo(
     problem: NegativeBinomialRandomIntercept, params: dict[str, torch.Tensor]
 ) -> torch.Tensor:
@@ -343,6 +358,7 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "poisson1000": poisson_neg_elbo,
     "poisson_slopes": poisson_slopes_neg_elbo,
     "poisson_nested": poisson_nested_neg_elbo,
+    "poisson_crossed": poisson_crossed_neg_elbo,
     "negbin": negbin_neg_elbo,
 }
 
@@ -364,6 +380,7 @@ PARAM_NAMES: dict[str, list[str]] = {
     "poisson1000": auto_names("w", "tau", "a"),
     "poisson_slopes": auto_names("w", "tau", "tau_b", "a", "b"),
     "poisson_nested": auto_names("w", "tau", "tau_c", "a", "c"),
+    "poisson_crossed": auto_names("w", "tau", "tau_d", "a", "d"),
     "negbin": auto_names("w", "tau", "a"),
 }
 

@@ -398,12 +398,13 @@ class StepSizeUpkeep:
         """Each global site's coordinates that the whitening may take (:meth:`_whiten_sites`):
         under the natural rule, moved by the solves (not a held scale) and informed; and of those,
         the concentrated coordinates it takes too. A concentrated coordinate is otherwise left to
-        the coupling (:meth:`_couple`); here, where every one belongs to a site of more than
-        :data:`~pyro_pdvi.infer.whitening.MAX_UNIT_VECTOR_SITE` shared coordinates and those sites
-        form a probed group (:func:`~pyro_pdvi.infer.whitening.probes_apply`), the group takes them:
-        a random slope that only the blocks at the ends of time inform, beside the slopes that
-        every block does (``docs/benchmarks.md`` 13zq). The coupling and the whitening exclude
-        each other, and the group's one dense penalty sees the ties the coupling would.
+        the coupling (:meth:`_couple`); here, where the shared coordinates' sites form a probed
+        group (:func:`~pyro_pdvi.infer.whitening.probes_apply`: a random effect that every block
+        informs), the group takes every concentrated one: a random slope that only the blocks at
+        the ends of time inform, beside the slopes that every block does (``docs/benchmarks.md``
+        13zq), or a random effect per period of time, each period's inside one block (13zs). The
+        coupling and the whitening exclude each other, and the group's one dense penalty sees the
+        ties the coupling would.
 
         :returns: the candidate sites' coordinates, and a mask of the concentrated ones among them.
         """
@@ -412,15 +413,12 @@ class StepSizeUpkeep:
         eligible &= state.information_total > 0
         shared = eligible & ~state.concentrated
         concentrated = eligible & state.concentrated
-        in_large = torch.zeros_like(concentrated)
-        for span in self.layout.slices.values():
-            in_large[span] = int(shared[span].sum()) > MAX_UNIT_VECTOR_SITE
-        taken = concentrated & in_large
-        if bool(taken.any()) and not bool((concentrated & ~in_large).any()):
-            sites = self._site_coordinates(shared | taken, 1, shared.numel())
+        shared_sites = self._site_coordinates(shared, 1, shared.numel())
+        if bool(concentrated.any()) and probes_apply(shared_sites, len(self.partition)):
+            sites = self._site_coordinates(shared | concentrated, 1, shared.numel())
             if probes_apply(sites, len(self.partition)):
-                return sites, taken
-        return self._site_coordinates(shared, 1, shared.numel()), torch.zeros_like(taken)
+                return sites, concentrated
+        return shared_sites, torch.zeros_like(concentrated)
 
     def _group_takes_concentrated(self) -> bool:
         """Whether the whitening's probed group would take the concentrated coordinates
@@ -500,7 +498,8 @@ class StepSizeUpkeep:
         products = self._site_products(args, kwargs, self._side_seed(-6), WHITENING_ROWS)
         hessians, natural = None, None
         if probes_apply(sites, len(self.partition)):
-            probed, unit_vector_size = self._probe_group(args, kwargs, sites)
+            # Where the group was to take concentrated coordinates, their warning tells the user.
+            probed, unit_vector_size = self._probe_group(args, kwargs, sites, warn=not bool(taken.any()))
             if probed is not None:
                 hessians = [probed]
             elif bool(taken.any()):
@@ -551,7 +550,7 @@ class StepSizeUpkeep:
             self._warn_of_concentrated_coordinates()
 
     def _probe_group(
-        self, args: tuple, kwargs: dict, sites: list[torch.Tensor]
+        self, args: tuple, kwargs: dict, sites: list[torch.Tensor], warn: bool = True
     ) -> tuple[GroupHessians | None, int]:
         """Every block's Hessian on the probed group of ``sites``
         (:func:`~pyro_pdvi.infer.whitening.probed_block_hessians`), on every row of a block: a few
@@ -561,7 +560,7 @@ class StepSizeUpkeep:
         stay within :data:`~pyro_pdvi.infer.whitening.MAX_WHITENED_COORDINATES`: a random effect
         per region of the sites, tied to each of its sites' effects (not position by position),
         is then measured exactly (13zr). Where every try is refused and a site is too large to be
-        whitened by its unit vectors, the user is told.
+        whitened by its unit vectors, the user is told (where ``warn``).
 
         :returns: the group's Hessians (``None`` where refused) and the largest site measured by
             its unit vectors.
@@ -581,7 +580,7 @@ class StepSizeUpkeep:
         # Sites of at most MAX_WHITENED_COORDINATES may still be whitened by unit vectors
         # (joint_group); larger ones keep a diagonal penalty.
         left = [self.layout.site_of(int(c[0])) for c in sites if len(c) > MAX_WHITENED_COORDINATES]
-        if left:
+        if left and warn:
             warn_user(
                 f"PDVI could not measure how the coordinates of {', '.join(map(repr, left))} are tied "
                 "to the other global sites: their probes found a Hessian that is neither diagonal on "

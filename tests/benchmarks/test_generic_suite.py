@@ -40,6 +40,9 @@ SMALL = {
     "poisson": lambda: models.PoissonRandomIntercept(F64, num_data=12, num_sites=3, num_blocks=3),
     "negbin": lambda: models.NegativeBinomialRandomIntercept(F64, num_sites=3, rows_per_site=4),
     "poisson_slopes": lambda: models.PoissonRandomSlopes(F64, num_data=12, num_sites=3, num_blocks=3),
+    "poisson_crossed": lambda: models.PoissonCrossedIntercepts(
+        F64, num_data=12, num_sites=3, num_periods=4, num_blocks=3
+    ),
     "poisson_nested": lambda: models.PoissonNestedIntercepts(
         F64, num_data=12, num_sites=4, num_regions=2, num_blocks=3
     ),

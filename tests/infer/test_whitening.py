@@ -357,7 +357,9 @@ class SiteIntercepts:
     conditioned alone. Gaussian with fixed scales: the mean-field optimum's means are the
     posterior means, a linear solve. With ``slopes``, a random slope per site too
     (:class:`SiteSlopes`); with ``regions``, the sites nested in that many regions (site ``g`` in
-    region ``g mod regions``) and a random intercept ``c_r ~ N(0, 0.3^2)`` per region too."""
+    region ``g mod regions``) and a random intercept ``c_r ~ N(0, 0.3^2)`` per region too; with
+    ``periods``, the rows cut into that many runs by ``x`` and a random intercept ``d_p ~ N(0,
+    0.3^2)`` per run too (crossed with the sites' effects)."""
 
     effect_scale, noise_scale = 0.3, 0.5
 
@@ -369,9 +371,9 @@ class SiteIntercepts:
         device: str = "cpu",
         slopes: bool = False,
         regions: int = 0,
+        periods: int = 0,
     ) -> None:
-        self.num_sites, self.slopes, self.regions = num_sites, slopes, regions
-        self.region = torch.arange(num_sites) % max(regions, 1)
+        self.num_sites, self.slopes = num_sites, slopes
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(num_data, generator=g, dtype=torch.float64)
         self.site = torch.randint(self.num_sites, (num_data,), generator=g)
@@ -380,44 +382,53 @@ class SiteIntercepts:
         )
         self.y = 1.0 + 0.5 * self.x + effects[0, self.site] + effects[-1, self.site] * self.x * slopes
         self.y = self.y + self.noise_scale * torch.randn(num_data, generator=g, dtype=torch.float64)
-        regional = self.effect_scale * torch.randn(regions, generator=torch.Generator().manual_seed(1))
-        self.y = self.y + regional.double()[self.region[self.site]] if regions else self.y
-        self.blocks = [chunk.sort().values for chunk in self.x.argsort().tensor_split(num_blocks)]
+        # Each other kind of effect: its site name, each row's index into it, and how many there are.
+        period = torch.empty(num_data, dtype=torch.long)
+        period[self.x.argsort()] = torch.arange(num_data) * max(periods, 1) // num_data
+        kinds = [
+            ("c", (torch.arange(num_sites) % max(regions, 1))[self.site], regions),
+            ("d", period, periods),
+        ]
+        self.groupings = [(name, index, count) for name, index, count in kinds if count]
         onehot = torch.nn.functional.one_hot(self.site, self.num_sites).double()
         columns = [torch.ones(num_data, 1, dtype=torch.float64), self.x[:, None], onehot]
         columns += [onehot * self.x[:, None]] * slopes
-        columns += [torch.nn.functional.one_hot(self.region[self.site], max(regions, 1)).double()] * bool(
-            regions
-        )
+        for seed, (_, index, count) in enumerate(self.groupings, start=1):
+            grouped = self.effect_scale * torch.randn(count, generator=torch.Generator().manual_seed(seed))
+            self.y = self.y + grouped.double()[index]
+            columns.append(torch.nn.functional.one_hot(index, count).double())
+        self.blocks = [chunk.sort().values for chunk in self.x.argsort().tensor_split(num_blocks)]
         design = torch.cat(columns, 1)
         prior = torch.cat([torch.ones(2), torch.full((design.shape[1] - 2,), self.effect_scale**-2)]).double()
         precision = design.T @ design / self.noise_scale**2 + torch.diag(prior)
         self.mean = torch.linalg.solve(precision, design.T @ self.y / self.noise_scale**2)
         self.x, self.y, self.site = self.x.to(device), self.y.to(device), self.site.to(device)
+        self.groupings = [(name, index.to(device), count) for name, index, count in self.groupings]
         self.blocks = [block.to(device) for block in self.blocks]
 
     def model(self, idx: torch.Tensor) -> None:
+        zero = self.x.new_zeros(())
         w = pyro.sample("w", dist.Normal(self.x.new_zeros(2), 1.0).to_event(1))
         with pyro.plate("sites", self.num_sites):
-            a = pyro.sample("a", dist.Normal(self.x.new_zeros(()), self.effect_scale))
+            a = pyro.sample("a", dist.Normal(zero, self.effect_scale))
             if self.slopes:
-                b = pyro.sample("b", dist.Normal(self.x.new_zeros(()), self.effect_scale))
-        if self.regions:
-            with pyro.plate("regions", self.regions):
-                c = pyro.sample("c", dist.Normal(self.x.new_zeros(()), self.effect_scale))
+                b = pyro.sample("b", dist.Normal(zero, self.effect_scale))
+        grouped = []
+        for name, index, count in self.groupings:
+            with pyro.plate(f"{name}_groups", count):
+                grouped.append((pyro.sample(name, dist.Normal(zero, self.effect_scale)), index))
         with pyro.plate("data", len(self.y), subsample=idx) as ind:
             site, x = self.site[ind], self.x[ind]
             mean = w[..., 0:1] + w[..., 1:2] * x + a[..., site]
             if self.slopes:
                 mean = mean + b[..., site] * x
-            if self.regions:
-                mean = mean + c[..., self.region.to(site.device)[site]]
+            for effect, index in grouped:
+                mean = mean + effect[..., index[ind]]
             pyro.sample("y", dist.Normal(mean, self.noise_scale), obs=self.y[ind])
 
     def error(self) -> float:
-        names = ["AutoNormal.locs.w", "AutoNormal.locs.a"] + ["AutoNormal.locs.b"] * self.slopes
-        names += ["AutoNormal.locs.c"] * bool(self.regions)
-        means = torch.cat([pyro.param(name) for name in names]).detach()
+        names = ["w", "a"] + ["b"] * self.slopes + [name for name, _, _ in self.groupings]
+        means = torch.cat([pyro.param(f"AutoNormal.locs.{name}") for name in names]).detach()
         return float((means.cpu() - self.mean).abs().max())
 
     def fit(self, epochs: int, seed: int = 0) -> PDVI:
@@ -523,6 +534,40 @@ def test_a_random_effect_per_region_is_measured_by_its_unit_vectors_where_the_pr
         pdvi = problem.fit(10)
         assert "AutoNormal.locs.a" not in pdvi.whitened_sites
         assert demoted < 0.1 * problem.error(), (demoted, problem.error())
+    problem.fit(40)
+    assert problem.error() < 1e-6
+
+
+def test_a_random_effect_per_period_that_one_block_informs_joins_the_group_of_the_sites_effects(monkeypatch):
+    """60 sites' effects crossed with 30 periods' (the rows cut into runs by ``x``, five to a
+    block): each period's effect is informed by one block, and they join the probed group (by their
+    unit vectors, once the probes refuse them as a large site) rather than the coupling; the three
+    sites are whitened and the means reach the exact posterior means. Where the group takes none
+    of them (13zq's rule took only those of its large sites: none here), the periods' are coupled
+    with the intercept and nothing is whitened: at least 10x further after 10 epochs (measured: the
+    largest error of a mean 6.7e-4 against 0.063; after 40 epochs 6.6e-9 against 0.011)."""
+    problem = SiteIntercepts(num_data=1800, num_sites=60, periods=30)
+    pdvi = problem.fit(10)
+    assert pdvi.concentrated_sites == {"AutoNormal.locs.d": 30} and pdvi.coupled_sites == {}
+    assert sorted(pdvi.whitened_sites) == ["AutoNormal.locs.a", "AutoNormal.locs.d", "AutoNormal.locs.w"]
+    joined = problem.error()
+    candidates = upkeep.StepSizeUpkeep._whitening_candidates
+
+    def shared_sites_only(self):
+        sites, taken = candidates(self)
+        state = self._state
+        shared = self._not_held(self._step_sizes.natural_coordinates()) & ~state.concentrated
+        return self._site_coordinates(
+            shared & (state.information_total > 0), 1, shared.numel()
+        ), taken & False
+
+    with monkeypatch.context() as patch:
+        patch.setattr(upkeep.StepSizeUpkeep, "_whitening_candidates", shared_sites_only)
+        pdvi = problem.fit(10)
+        assert pdvi.whitened_sites == [] and pdvi.coupled_sites == {
+            "AutoNormal.locs.w": ["AutoNormal.locs.d"]
+        }
+        assert joined < 0.1 * problem.error(), (joined, problem.error())
     problem.fit(40)
     assert problem.error() < 1e-6
 
