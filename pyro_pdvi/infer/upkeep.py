@@ -72,6 +72,11 @@ SECOND_ORDER_TOLERANCE = 0.05
 #: epochs took 0.3-0.4 CPU s less, their errors the same to two digits (``docs/benchmarks.md`` 13zf).
 CURVATURE_ROWS = 256
 
+#: A block skips the unit vector of a coordinate that it informs less than this share of the most
+#: any block does, where the whitening's group measures a refused large site by unit vectors
+#: (:meth:`StepSizeUpkeep._skipped_unit_vectors`).
+SKIPPED_SHARE = 0.01
+
 #: The whitening's Hessian of a block of more data is estimated from this many of them
 #: (:meth:`StepSizeUpkeep._whiten_sites`): its cost then does not grow with the block.
 WHITENING_ROWS = 64
@@ -572,7 +577,8 @@ class StepSizeUpkeep:
             with self._objective.one_off():
                 probed = probed_block_hessians(
                     every_row, len(self.partition), sites, self._state.consensus, positions,
-                    unit_vector_size=unit_vector_size,
+                    unit_vector_size=unit_vector_size, curvature=self._state.information,
+                    skipped=self._skipped_unit_vectors(sites, unit_vector_size),
                 )  # fmt: skip
             if probed is not None:
                 return probed, unit_vector_size
@@ -595,6 +601,20 @@ class StepSizeUpkeep:
                 "together."
             )
         return None, unit_vector_size
+
+    def _skipped_unit_vectors(self, sites: list[torch.Tensor], unit_vector_size: int) -> torch.Tensor:
+        """``(n, P)``: the coordinates of the sites measured by unit vectors after the probes refused
+        them (more than :data:`~pyro_pdvi.infer.whitening.MAX_UNIT_VECTOR_SITE`, at most
+        ``unit_vector_size``) that a block informs less than :data:`SKIPPED_SHARE` of the most any
+        block does (a period's effect, in the blocks other than its own, by its prior's share): the
+        group's measurement skips their unit vectors there (``docs/benchmarks.md`` 13zs: a block
+        informs 2 of the 40 periods)."""
+        information = self._state.information
+        demoted = torch.zeros(information.shape[-1], dtype=torch.bool, device=information.device)
+        for c in sites:
+            if MAX_UNIT_VECTOR_SITE < len(c) <= unit_vector_size:
+                demoted[c.to(demoted.device)] = True
+        return demoted & (information < SKIPPED_SHARE * information.amax(0))
 
     def _couple_after_all(self, args: tuple, kwargs: dict) -> None:
         """Couple the concentrated coordinates that the whitening's group was to take

@@ -214,6 +214,8 @@ def probed_block_hessians(
     positions: list[torch.Tensor] | None = None,
     tolerance: float = 1e-3,
     unit_vector_size: int = MAX_UNIT_VECTOR_SITE,
+    skipped: torch.Tensor | None = None,
+    curvature: torch.Tensor | None = None,
 ) -> GroupHessians | None:
     """Every block's Hessian on a joint group's coordinates (in :func:`probed_order`), measured with few
     products where its large sites are diagonal: each site of at most :data:`MAX_UNIT_VECTOR_SITE`
@@ -239,6 +241,11 @@ def probed_block_hessians(
         refuses the group.
     :param tolerance: the largest error a probe may show, relative to its site's largest curvature.
     :param unit_vector_size: the largest site measured by its unit vectors; a larger one is probed.
+    :param skipped: ``(n, P)``, the coordinates whose unit vectors block ``b`` skips, where it
+        informs them by their prior's share alone (a period's effect outside its block): their row
+        there is taken from the measured rows by symmetry, zero on the large sites, and
+        ``curvature[b]`` on the diagonal (:func:`_rows_of_skipped`).
+    :param curvature: ``(n, P)``, the blocks' curvatures, with ``skipped``.
     :returns: the arrow (its units of one coordinate each where no two large sites are tied), float64
         on the host, or ``None``.
     """
@@ -265,20 +272,23 @@ def probed_block_hessians(
     sign_at = torch.zeros(len(large), len(every_place), dtype=torch.float64)
     for j, unit in enumerate(unit_of):
         sign_at[j, unit] = signs[j]
-    directions = [unit_vectors(like, small_index)]
-    for site, site_signs in zip(large, signs):
-        probes = like.new_zeros(2, like.shape[-1])
-        probes[0, site] = 1.0
-        probes[1, site] = site_signs.to(probes)
-        directions.append(probes)
-    directions = torch.cat(directions)
+    probes = like.new_zeros(2 * len(large), like.shape[-1])
+    for j, (site, site_signs) in enumerate(zip(large, signs)):
+        probes[2 * j, site] = 1.0
+        probes[2 * j + 1, site] = site_signs.to(probes)
     blocks = torch.zeros(num_blocks, len(every_place), len(large), len(large), dtype=torch.float64)
     crosses, denses = [], []
     for b in range(num_blocks):
-        found = products(b, directions).to("cpu", torch.float64)
-        rows = found[: len(small_index)]
+        measured = torch.ones(len(small_index), dtype=torch.bool)
+        if skipped is not None:
+            measured = ~skipped[b].cpu()[small_index]
+        found = products(b, torch.cat([unit_vectors(like, small_index[measured]), probes])).to(
+            "cpu", torch.float64
+        )
+        rows = _rows_of_skipped(found[: int(measured.sum())], measured, small_index, b, curvature)
+        found = found[int(measured.sum()) :]
         for j, site in enumerate(large):
-            ones, signed = found[len(small_index) + 2 * j], found[len(small_index) + 2 * j + 1]
+            ones, signed = found[2 * j], found[2 * j + 1]
             scale = max(float(ones[site].abs().max()), 1e-30)
             for t, other in enumerate(large):
                 tie, sign = ones[other], sign_at[j, unit_of[t]]
@@ -294,6 +304,27 @@ def probed_block_hessians(
     if float(ties.abs().amax()) <= tolerance * float(diagonal.abs().max()):
         return GroupHessians(unpad(diagonal, units), torch.stack(crosses), torch.stack(denses))
     return GroupHessians(blocks, torch.stack(crosses), torch.stack(denses), units)
+
+
+def _rows_of_skipped(
+    rows: torch.Tensor,
+    measured: torch.Tensor,
+    small_index: torch.Tensor,
+    b: int,
+    curvature: torch.Tensor | None,
+) -> torch.Tensor:
+    """Block ``b``'s rows of the small coordinates, ``(s, P)``, from those measured (``rows``, the
+    coordinates where ``measured``): a skipped coordinate's row is its column among the measured
+    rows (the Hessian is symmetric), zero elsewhere, and its curvature ``curvature[b]`` on the
+    diagonal."""
+    if bool(measured.all()):
+        return rows
+    full = rows.new_zeros(len(small_index), rows.shape[-1])
+    full[measured] = rows
+    skipped = small_index[~measured]
+    full[(~measured).nonzero().reshape(-1)[:, None], small_index[measured]] = rows[:, skipped].T
+    full[(~measured).nonzero().reshape(-1), skipped] = curvature[b].cpu().to(full)[skipped]
+    return full
 
 
 #: A site is whitened where the diagonal penalty leaves its curvature at least this ill-conditioned

@@ -812,6 +812,52 @@ def test_sites_tied_position_by_position_are_measured_by_their_probes():
     assert untied.units is None and untied.diagonal.shape == (4, 2 * sites_count)
 
 
+def test_a_block_skips_the_unit_vectors_of_the_coordinates_it_informs_by_their_prior_alone():
+    """30 sites' effects crossed with 18 periods' (three to a block of 6, a Gaussian regression's
+    means): the periods' effects, measured by their unit vectors, are skipped in the blocks other
+    than their own, where only their prior's share informs them; the group's Hessians are the
+    same as measured by every unit vector, at 5 unit vectors (the shared coefficients' 2 and the
+    block's own 3 periods) and 2 probes a block instead of 20 and 2."""
+    g = torch.Generator().manual_seed(0)
+    num_sites, num_periods, rows = 30, 18, 600
+    x = torch.randn(rows, generator=g, dtype=torch.float64)
+    site = torch.randint(num_sites, (rows,), generator=g)
+    period = torch.empty(rows, dtype=torch.long)
+    period[x.argsort()] = torch.arange(rows) * num_periods // rows
+    one_hot = torch.nn.functional.one_hot
+    design = torch.cat(
+        [one_hot(site, num_sites), one_hot(period, num_periods), torch.ones(rows, 1), x[:, None]], 1
+    )
+    design = design.double()
+    prior = torch.cat([torch.full((num_sites + num_periods,), 1 / 0.09), torch.ones(2)]).double()
+    blocks = x.argsort().tensor_split(6)
+    hessians = torch.stack([design[b].T @ design[b] / 0.25 + torch.diag(prior) / 6 for b in blocks])
+    size = num_sites + num_periods + 2
+    sites = [torch.arange(num_sites), torch.arange(num_sites, size - 2), torch.arange(size - 2, size)]
+    calls = []
+
+    def products(b: int, directions: torch.Tensor) -> torch.Tensor:
+        calls.append(len(directions))
+        return directions @ hessians[b]
+
+    like = torch.zeros(size, dtype=torch.float64)
+    curvature = hessians.diagonal(dim1=1, dim2=2)
+    places = [torch.arange(len(c)) for c in sites]
+    every = probed_block_hessians(products, 6, sites, like, places, unit_vector_size=num_periods)
+    assert calls == [2 + num_periods + 2] * 6
+    informs = torch.zeros(6, size, dtype=torch.bool)
+    for b, rows_of_block in enumerate(blocks):
+        informs[b, num_sites + period[rows_of_block]] = True
+    skipped = ~informs & (torch.arange(size) >= num_sites) & (torch.arange(size) < size - 2)
+    calls.clear()
+    fewer = probed_block_hessians(
+        products, 6, sites, like, places, unit_vector_size=num_periods, skipped=skipped, curvature=curvature
+    )
+    assert calls == [2 + 3 + 2] * 6
+    for name in ("diagonal", "cross", "dense"):
+        assert torch.allclose(getattr(fewer, name), getattr(every, name)), name
+
+
 def test_a_pivot_that_is_not_positive_is_replaced_by_its_floor():
     """``modified_ldl`` is the LDL factorisation of a positive definite matrix, and of an indefinite
     one that of the matrix plus a non-negative diagonal, nonzero only where a pivot was not
