@@ -716,11 +716,41 @@ class PoissonRandomSlopes(PoissonRandomIntercept):
         return super().site_terms(effects, ind) + effects["b"][..., self.site[ind]] * self.x[ind, 1]
 
 
-class PoissonNestedIntercepts(PoissonRandomIntercept):
-    """:class:`PoissonRandomIntercept` with the sites nested in regions (site ``g`` in region ``g mod
-    R``) and a random intercept per region too, ``c_r ~ N(0, tau_c^2)``, ``tau_c ~ HalfNormal(1)``:
-    each region's effect is tied to its sites' (and all to the shared coefficients), not position by
-    position, so the whitening's probes refuse the two together."""
+class PoissonGroupedIntercepts(PoissonRandomIntercept):
+    """:class:`PoissonRandomIntercept` with a random intercept per group of rows too, each row's
+    group in ``groups``: the effect ``effect`` in its own plate, its scale ``scale ~
+    HalfNormal(1)``. :class:`PoissonNestedIntercepts` and :class:`PoissonCrossedIntercepts` choose
+    the groups."""
+
+    def _set_groups(
+        self,
+        effect: str,
+        scale: str,
+        groups: torch.Tensor,
+        num_groups: int,
+        seed: int,
+        site_scale: float,
+        title: str,
+    ) -> None:
+        """Set the groups and draw new counts from ``seed``: the groups' intercepts (sd 0.5), then the
+        sites' (sd ``site_scale``)."""
+        self.effect, self.scale, self.groups, self.num_groups = effect, scale, groups, num_groups
+        generator = torch.Generator().manual_seed(seed)
+        grouped = 0.5 * torch.randn(num_groups, generator=generator, dtype=torch.float64)
+        sites = site_scale * torch.randn(self.num_sites, generator=generator, dtype=torch.float64)
+        self._redraw_counts([sites[self.data["site"]], grouped[groups]], generator, title)
+
+    def grouped_effects(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.group_intercepts(zero, self.effect, self.scale, self.num_groups)
+
+    def site_terms(self, effects: dict[str, torch.Tensor], ind: torch.Tensor) -> torch.Tensor:
+        return super().site_terms(effects, ind) + effects[self.effect][..., self.groups[ind]]
+
+
+class PoissonNestedIntercepts(PoissonGroupedIntercepts):
+    """The sites nested in regions (site ``g`` in region ``g mod R``), a random intercept per region
+    too, ``c_r ~ N(0, tau_c^2)``: each region's effect is tied to its sites' (and all to the shared
+    coefficients), not position by position, so the whitening's probes refuse the two together."""
 
     def __init__(
         self,
@@ -731,32 +761,19 @@ class PoissonNestedIntercepts(PoissonRandomIntercept):
         num_blocks: int = 20,
     ) -> None:
         super().__init__(dtype, num_data, num_sites, num_blocks, name="poisson_nested")
-        self.num_regions = num_regions
-        self.region = torch.arange(num_sites) % num_regions
-        generator = torch.Generator().manual_seed(3)
-        site = self.data["site"]
-        regions = 0.5 * torch.randn(num_regions, generator=generator, dtype=torch.float64)
-        sites = 0.3 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
-        self._redraw_counts(
-            [sites[site], regions[self.region[site]]],
-            generator,
+        region = (torch.arange(num_sites) % num_regions)[self.data["site"]]
+        self._set_groups(
+            "c", "tau_c", region, num_regions, 3, 0.3,
             f"Poisson regression with a random intercept per site and per region, {num_data} rows, "
             f"{num_sites} sites in {num_regions} regions, AutoNormal, {num_blocks} blocks sorted by time",
-        )
-
-    def grouped_effects(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.group_intercepts(zero, "c", "tau_c", self.num_regions)
-
-    def site_terms(self, effects: dict[str, torch.Tensor], ind: torch.Tensor) -> torch.Tensor:
-        site = self.site[ind]
-        return effects["a"][..., site] + effects["c"][..., self.region[site]]
+        )  # fmt: skip
 
 
-class PoissonCrossedIntercepts(PoissonRandomIntercept):
-    """:class:`PoissonRandomIntercept` with a random intercept per period of time too (the rows cut
-    into ``num_periods`` runs of equal size by time), ``d_p ~ N(0, tau_d^2)``, ``tau_d ~
-    HalfNormal(1)``: crossed random effects, a site's and a period's. The blocks are sorted by time,
-    so each period's effect is informed by one block, and each site's by every block."""
+class PoissonCrossedIntercepts(PoissonGroupedIntercepts):
+    """A random intercept per period of time too (the rows cut into ``num_periods`` runs of equal
+    size by time), ``d_p ~ N(0, tau_d^2)``: crossed random effects, a site's and a period's. The
+    blocks are sorted by time, so each period's effect is informed by one block, and each site's by
+    every block."""
 
     def __init__(
         self,
@@ -767,24 +784,13 @@ class PoissonCrossedIntercepts(PoissonRandomIntercept):
         num_blocks: int = 20,
     ) -> None:
         super().__init__(dtype, num_data, num_sites, num_blocks, name="poisson_crossed")
-        self.num_periods = num_periods
-        self.period = torch.empty(num_data, dtype=torch.long)
-        self.period[self.data["x"][:, 1].argsort()] = torch.arange(num_data) * num_periods // num_data
-        generator = torch.Generator().manual_seed(4)
-        periods = 0.5 * torch.randn(num_periods, generator=generator, dtype=torch.float64)
-        sites = 0.5 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
-        self._redraw_counts(
-            [sites[self.data["site"]], periods[self.period]],
-            generator,
+        period = torch.empty(num_data, dtype=torch.long)
+        period[self.data["x"][:, 1].argsort()] = torch.arange(num_data) * num_periods // num_data
+        self._set_groups(
+            "d", "tau_d", period, num_periods, 4, 0.5,
             f"Poisson regression with a random intercept per site and per period of time, {num_data} "
             f"rows, {num_sites} sites, {num_periods} periods, AutoNormal, {num_blocks} blocks sorted by time",
-        )
-
-    def grouped_effects(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.group_intercepts(zero, "d", "tau_d", self.num_periods)
-
-    def site_terms(self, effects: dict[str, torch.Tensor], ind: torch.Tensor) -> torch.Tensor:
-        return super().site_terms(effects, ind) + effects["d"][..., self.period[ind]]
+        )  # fmt: skip
 
 
 class NegativeBinomialRandomIntercept(PoissonRandomIntercept):
@@ -951,6 +957,7 @@ __all__ = [
     "NormalScale",
     "OverdispersedLogistic",
     "PoissonCrossedIntercepts",
+    "PoissonGroupedIntercepts",
     "PoissonNestedIntercepts",
     "PoissonRandomIntercept",
     "PoissonRandomSlopes",

@@ -54,8 +54,7 @@ from .models import (
     NegativeBinomialRandomIntercept,
     NormalScale,
     OverdispersedLogistic,
-    PoissonCrossedIntercepts,
-    PoissonNestedIntercepts,
+    PoissonGroupedIntercepts,
     PoissonRandomIntercept,
     PoissonRandomSlopes,
     Problem,
@@ -288,32 +287,18 @@ def poisson_slopes_neg_elbo(problem: PoissonRandomSlopes, params: dict[str, torc
     )
 
 
-def poisson_nested_neg_elbo(
-    problem: PoissonNestedIntercepts, params: dict[str, torch.Tensor]
+def poisson_grouped_neg_elbo(
+    problem: PoissonGroupedIntercepts, params: dict[str, torch.Tensor]
 ) -> torch.Tensor:
-    """:func:`poisson_neg_elbo` with each site's region's intercept: its prior (scale ``tau_c``) and
-    entropy, and ``c_region`` in the log rate's mean and variance."""
-    region = problem.region[problem.data["site"]]
+    """:func:`poisson_neg_elbo` with each row's group's intercept (a region's, a period's): its prior
+    (its scale ``problem.scale``) and entropy, and the intercept in the log rate's mean and
+    variance."""
     total, log_rate_mean, log_rate_variance = random_intercept_terms(problem, params)
-    regions, m_c, s_c = effect_terms(problem, params, "c", "tau_c")
-    log_rate_mean = log_rate_mean + m_c[region]
-    log_rate_variance = log_rate_variance + s_c[region].square()
+    grouped, m, s = effect_terms(problem, params, problem.effect, problem.scale)
+    log_rate_mean = log_rate_mean + m[problem.groups]
+    log_rate_variance = log_rate_variance + s[problem.groups].square()
     return -(
-        total + regions + poisson_expected_log_likelihood(problem.data["y"], log_rate_mean, log_rate_variance)
-    )
-
-
-def poisson_crossed_neg_elbo(
-    problem: PoissonCrossedIntercepts, params: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    """:func:`poisson_neg_elbo` with each row's period's intercept: its prior (scale ``tau_d``) and
-    entropy, and ``d_period`` in the log rate's mean and variance."""
-    total, log_rate_mean, log_rate_variance = random_intercept_terms(problem, params)
-    periods, m_d, s_d = effect_terms(problem, params, "d", "tau_d")
-    log_rate_mean = log_rate_mean + m_d[problem.period]
-    log_rate_variance = log_rate_variance + s_d[problem.period].square()
-    return -(
-        total + periods + poisson_expected_log_likelihood(problem.data["y"], log_rate_mean, log_rate_variance)
+        total + grouped + poisson_expected_log_likelihood(problem.data["y"], log_rate_mean, log_rate_variance)
     )
 
 
@@ -357,8 +342,8 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "poisson200_few": poisson_neg_elbo,
     "poisson1000": poisson_neg_elbo,
     "poisson_slopes": poisson_slopes_neg_elbo,
-    "poisson_nested": poisson_nested_neg_elbo,
-    "poisson_crossed": poisson_crossed_neg_elbo,
+    "poisson_nested": poisson_grouped_neg_elbo,
+    "poisson_crossed": poisson_grouped_neg_elbo,
     "negbin": negbin_neg_elbo,
 }
 
