@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from .coupling import unit_vectors
+from .reduced_hessian import lanczos
 
 #: A site is whitened where it has at least 2 and at most this many coordinates to whiten: the
 #: measurement takes one Hessian product per coordinate and block, and ``U`` is dense.
@@ -747,38 +748,14 @@ def _condition(group: GroupHessians, factorised: tuple) -> float:
     def inverse(x: torch.Tensor) -> torch.Tensor:
         return local.inverse(local.dual_forward(x * scale) / delta) * scale
 
-    return _largest_eigenvalue(curvature, size, pivots) * _largest_eigenvalue(inverse, size, pivots)
+    steps = min(size, LANCZOS_STEPS)
+    return float(lanczos(curvature, size, steps, 0)[0][-1] * lanczos(inverse, size, steps, 0)[0][-1])
 
 
-#: Lanczos iterations of :func:`_largest_eigenvalue`: the largest Ritz value converges first.
+#: Lanczos iterations of :func:`_condition` (:func:`~pyro_pdvi.infer.reduced_hessian.lanczos`): the
+#: largest Ritz value converges first; exact where the group has at most this many coordinates, a
+#: lower bound otherwise.
 LANCZOS_STEPS = 64
-
-
-def _largest_eigenvalue(
-    apply: Callable[[torch.Tensor], torch.Tensor], size: int, like: torch.Tensor
-) -> float:
-    """The largest eigenvalue of a symmetric positive definite operator on ``size`` coordinates, by
-    :data:`LANCZOS_STEPS` Lanczos iterations with full reorthogonalisation from a fixed start (exact
-    where ``size`` is at most that many; a lower bound otherwise)."""
-    start = torch.randn(size, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(like)
-    basis = [start / start.norm()]
-    alphas, betas = [], []
-    for _ in range(min(size, LANCZOS_STEPS)):
-        w = apply(basis[-1])
-        alphas.append(float(w @ basis[-1]))
-        stacked = torch.stack(basis)
-        w = w - stacked.T @ (stacked @ w)
-        w = w - stacked.T @ (stacked @ w)
-        beta = float(w.norm())
-        if beta <= 1e-12 * abs(alphas[0]):
-            break
-        betas.append(beta)
-        basis.append(w / beta)
-    k = len(alphas)
-    tridiagonal = torch.diag(torch.tensor(alphas, dtype=torch.float64))
-    off = torch.tensor(betas[: k - 1], dtype=torch.float64)
-    tridiagonal += torch.diag(off, 1) + torch.diag(off, -1)
-    return float(torch.linalg.eigvalsh(tridiagonal)[-1])
 
 
 def site_hessians(
