@@ -16,7 +16,8 @@ with a random intercept for each of 40 sites, 20 blocks sorted by time), ``poiss
 ``poisson200_few`` (the same with 200 sites, 10,000 and 2,000 rows), ``poisson1000`` (1,000
 sites, 20,000 rows), ``poisson_slopes`` (200 sites, a random slope on time per site too),
 ``poisson_nested`` (200 sites in 20 regions, a random intercept per region too),
-``poisson_crossed`` (200 sites, a random intercept per period of time too) and ``negbin``
+``poisson_crossed`` (200 sites, a random intercept per period of time too), ``poisson_nested100``
+and ``poisson_crossed200`` (the same with 100 regions, 200 periods) and ``negbin``
 (negative-binomial regression with a random intercept for each of 20 sites, one block per site).
 
 Each model has an independent reference: the optimum of its mean-field family, from the

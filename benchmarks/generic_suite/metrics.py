@@ -65,6 +65,8 @@ PLOTTED = {
     "poisson_slopes": ("rmse_mean", "sd_error"),
     "poisson_nested": ("rmse_mean", "sd_error"),
     "poisson_crossed": ("rmse_mean", "sd_error"),
+    "poisson_nested100": ("rmse_mean", "sd_error"),
+    "poisson_crossed200": ("rmse_mean", "sd_error"),
     "negbin": ("rmse_mean", "sd_error"),
 }
 

@@ -74,6 +74,12 @@ name           model
 ``poisson_crossed`` ``poisson200``'s design with a random intercept per period of time too (40
                periods, ``d_p ~ N(0, tau_d^2)``, ``tau_d ~ HalfNormal(1)``): crossed random
                effects, each period's inside one block (session 41, 13zs)
+``poisson_nested100`` ``poisson_nested`` with 100 regions (two sites each): the regions' and the
+               sites' effects both larger than 64 coordinates and tied, every block informing
+               both (session 42, 13zu)
+``poisson_crossed200`` ``poisson_crossed`` with 200 periods (50 rows each, about 10 to a
+               block): the periods' and the sites' effects both larger than 64 coordinates
+               (session 42, 13zu)
 ``negbin``     negative-binomial regression (known total count 2) with a random intercept per
                site, synthetic: 20 sites of 100 rows, one block per site (data sorted by
                site, as by patient), ``AutoNormal``, ``Trace_ELBO()`` (session 39)
@@ -119,6 +125,8 @@ PROBLEM_NAMES = (
     "poisson_slopes",
     "poisson_nested",
     "poisson_crossed",
+    "poisson_nested100",
+    "poisson_crossed200",
     "negbin",
 )
 
@@ -759,8 +767,9 @@ class PoissonNestedIntercepts(PoissonGroupedIntercepts):
         num_sites: int = 200,
         num_regions: int = 20,
         num_blocks: int = 20,
+        name: str = "poisson_nested",
     ) -> None:
-        super().__init__(dtype, num_data, num_sites, num_blocks, name="poisson_nested")
+        super().__init__(dtype, num_data, num_sites, num_blocks, name=name)
         region = (torch.arange(num_sites) % num_regions)[self.data["site"]]
         self._set_groups(
             "c", "tau_c", region, num_regions, 3, 0.3,
@@ -782,8 +791,9 @@ class PoissonCrossedIntercepts(PoissonGroupedIntercepts):
         num_sites: int = 200,
         num_periods: int = 40,
         num_blocks: int = 20,
+        name: str = "poisson_crossed",
     ) -> None:
-        super().__init__(dtype, num_data, num_sites, num_blocks, name="poisson_crossed")
+        super().__init__(dtype, num_data, num_sites, num_blocks, name=name)
         period = torch.empty(num_data, dtype=torch.long)
         period[self.data["x"][:, 1].argsort()] = torch.arange(num_data) * num_periods // num_data
         self._set_groups(
@@ -940,6 +950,10 @@ def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
         return PoissonNestedIntercepts(dtype)
     if name == "poisson_crossed":
         return PoissonCrossedIntercepts(dtype)
+    if name == "poisson_nested100":
+        return PoissonNestedIntercepts(dtype, num_regions=100, name=name)
+    if name == "poisson_crossed200":
+        return PoissonCrossedIntercepts(dtype, num_periods=200, name=name)
     if name == "poisson1000":
         return PoissonRandomIntercept(dtype, num_data=20_000, num_sites=1000, name="poisson1000")
     raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")

@@ -344,6 +344,8 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "poisson_slopes": poisson_slopes_neg_elbo,
     "poisson_nested": poisson_grouped_neg_elbo,
     "poisson_crossed": poisson_grouped_neg_elbo,
+    "poisson_nested100": poisson_grouped_neg_elbo,
+    "poisson_crossed200": poisson_grouped_neg_elbo,
     "negbin": negbin_neg_elbo,
 }
 
@@ -366,6 +368,8 @@ PARAM_NAMES: dict[str, list[str]] = {
     "poisson_slopes": auto_names("w", "tau", "tau_b", "a", "b"),
     "poisson_nested": auto_names("w", "tau", "tau_c", "a", "c"),
     "poisson_crossed": auto_names("w", "tau", "tau_d", "a", "d"),
+    "poisson_nested100": auto_names("w", "tau", "tau_c", "a", "c"),
+    "poisson_crossed200": auto_names("w", "tau", "tau_d", "a", "d"),
     "negbin": auto_names("w", "tau", "a"),
 }
 

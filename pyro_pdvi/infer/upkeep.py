@@ -52,6 +52,8 @@ from .whitening import (
     probed_order,
     probes_apply,
     site_hessians,
+    unit_vector_sites,
+    unit_vectors_measured,
 )
 
 #: Where the model's graph has no usable second derivative, the coupling's Hessian products are
@@ -504,7 +506,7 @@ class StepSizeUpkeep:
         hessians, natural = None, None
         if probes_apply(sites, len(self.partition)):
             # Where the group was to take concentrated coordinates, their warning tells the user.
-            probed, unit_vector_size = self._probe_group(args, kwargs, sites, warn=not bool(taken.any()))
+            probed, small = self._probe_group(args, kwargs, sites, warn=not bool(taken.any()))
             if probed is not None:
                 hessians = [probed]
             elif bool(taken.any()):
@@ -514,9 +516,9 @@ class StepSizeUpkeep:
                 self._apply_step_sizes()
                 return
         if hessians is not None:
-            coordinates, round_sites = [probed_order(sites, unit_vector_size)], []
+            coordinates, round_sites = [probed_order(sites, small)], []
             # The large sites keep the natural rule's constant: docs/benchmarks.md 13zo.
-            natural = torch.cat([c for c in sites if len(c) > unit_vector_size])
+            natural = torch.cat([c for c, is_small in zip(sites, small) if not is_small])
         else:
             coordinates = joint_group(sites)
             round_sites = [c for c in coordinates if len(c) == 1]
@@ -552,37 +554,46 @@ class StepSizeUpkeep:
         state.set_coordinate_information(whitening.whitened, curvature)
         self._write_consensus()
         if bool(taken.any()):
+            # The group's dense penalty sees the concentrated coordinates' ties: their owners no
+            # longer take the longer solve (docs/benchmarks.md 13zt).
+            self._owns_concentrated = None
             self._warn_of_concentrated_coordinates()
 
     def _probe_group(
         self, args: tuple, kwargs: dict, sites: list[torch.Tensor], warn: bool = True
-    ) -> tuple[GroupHessians | None, int]:
+    ) -> tuple[GroupHessians | None, list[bool]]:
         """Every block's Hessian on the probed group of ``sites``
         (:func:`~pyro_pdvi.infer.whitening.probed_block_hessians`), on every row of a block: a few
         products each, and a subset would see few of a random effect's sites, each with a weight
         that overstates it (``docs/benchmarks.md`` 13zp). Where the probes refuse the group, the
-        smallest large site is measured by its unit vectors instead, while the group's unit vectors
-        stay within :data:`~pyro_pdvi.infer.whitening.MAX_WHITENED_COORDINATES`: a random effect
-        per region of the sites, tied to each of its sites' effects (not position by position),
-        is then measured exactly (13zr). Where every try is refused and a site is too large to be
-        whitened by its unit vectors, the user is told (where ``warn``).
+        large site cheapest to measure by its unit vectors (:meth:`_cheapest_to_demote`) is measured
+        so instead, and the probes tried again, as long as a block measures at most
+        :data:`~pyro_pdvi.infer.whitening.MAX_WHITENED_COORDINATES` unit vectors: a random effect per
+        region of the sites, tied to each of its sites' effects (not position by position), is then
+        measured exactly (13zr), and so is a random effect per period of time, each period inside one
+        block, which the others skip (13zs, 13zu). Where every try is refused and a site is too large
+        to be whitened by its unit vectors, the user is told (where ``warn``).
 
-        :returns: the group's Hessians (``None`` where refused) and the largest site measured by
-            its unit vectors.
+        :returns: the group's Hessians (``None`` where refused) and which sites were measured by
+            their unit vectors.
         """
         every_row = self._site_products(args, kwargs, self._side_seed(-6), max_rows=None)
         positions = self._site_positions(sites)
-        unit_vector_size = MAX_UNIT_VECTOR_SITE
-        while probes_apply(sites, len(self.partition), unit_vector_size):
+        small = unit_vector_sites(sites)
+        while True:
+            skipped = self._skipped_unit_vectors(sites, small)
+            measured = unit_vectors_measured(sites, small, skipped)
+            if not probes_apply(sites, len(self.partition), small, measured):
+                break
             with self._objective.one_off():
                 probed = probed_block_hessians(
                     every_row, len(self.partition), sites, self._state.consensus, positions,
-                    unit_vector_size=unit_vector_size, curvature=self._state.information,
-                    skipped=self._skipped_unit_vectors(sites, unit_vector_size),
+                    small=small, curvature=self._state.information, skipped=skipped,
                 )  # fmt: skip
             if probed is not None:
-                return probed, unit_vector_size
-            unit_vector_size = min(len(c) for c in sites if len(c) > unit_vector_size)
+                return probed, small
+            small = list(small)
+            small[self._cheapest_to_demote(sites, small)] = True
         # Sites of at most MAX_WHITENED_COORDINATES may still be whitened by unit vectors
         # (joint_group); larger ones keep a diagonal penalty.
         left = [self.layout.site_of(int(c[0])) for c in sites if len(c) > MAX_WHITENED_COORDINATES]
@@ -593,28 +604,41 @@ class StepSizeUpkeep:
                 "each site with more than 16 coordinates (a random effect's) nor tied between two such "
                 "sites coordinate to coordinate at the same place (a random intercept and a random "
                 "slope of the same sites), with at most "
-                f"{MAX_WHITENED_COORDINATES} coordinates of the others to measure one by one. They keep "
-                "a diagonal penalty, and a split between them and the shared sites that only the priors "
-                "fix (an intercept plus every group's effect) converges slowly: on the suite's "
-                "random-effects models that left PDVI's means 2-4x behind the best-tuned SVI+Adam's "
-                "(docs/benchmarks.md 13zo, 13zp). PDVI.whitened_sites lists the sites preconditioned "
-                "together."
+                f"{MAX_WHITENED_COORDINATES} coordinates of the others a block to measure one by one. "
+                "They keep a diagonal penalty, and a split between them and the shared sites that only "
+                "the priors fix (an intercept plus every group's effect) converges slowly: on the "
+                "suite's random-effects models that left PDVI's means 2-4x behind the best-tuned "
+                "SVI+Adam's (docs/benchmarks.md 13zo, 13zp). PDVI.whitened_sites lists the sites "
+                "preconditioned together."
             )
-        return None, unit_vector_size
+        return None, small
 
-    def _skipped_unit_vectors(self, sites: list[torch.Tensor], unit_vector_size: int) -> torch.Tensor:
+    def _informed(self, coordinates: torch.Tensor) -> torch.Tensor:
+        """``(n, k)``: where each block informs each of ``coordinates`` by more than its prior's
+        share, at least :data:`SKIPPED_SHARE` of the most any block does."""
+        information = self._state.information[:, coordinates.to(self._state.information.device)]
+        return (information >= SKIPPED_SHARE * information.amax(0)).cpu()
+
+    def _cheapest_to_demote(self, sites: list[torch.Tensor], small: list[bool]) -> int:
+        """The large site (not ``small``) whose unit vectors a block would measure fewest of, the
+        ones it informs (:meth:`_informed`; a period's effect, each period inside one block, before
+        a site's effect that every block informs), the smaller site where equal."""
+        large = [j for j, is_small in enumerate(small) if not is_small]
+        return min(large, key=lambda j: (int(self._informed(sites[j]).sum(1).max()), len(sites[j])))
+
+    def _skipped_unit_vectors(self, sites: list[torch.Tensor], small: list[bool]) -> torch.Tensor:
         """``(n, P)``: the coordinates of the sites measured by unit vectors after the probes refused
-        them (more than :data:`~pyro_pdvi.infer.whitening.MAX_UNIT_VECTOR_SITE`, at most
-        ``unit_vector_size``) that a block informs less than :data:`SKIPPED_SHARE` of the most any
-        block does (a period's effect, in the blocks other than its own, by its prior's share): the
+        them (``small`` but of more than :data:`~pyro_pdvi.infer.whitening.MAX_UNIT_VECTOR_SITE`
+        coordinates) that a block informs less than :data:`SKIPPED_SHARE` of the most any block
+        does (a period's effect, in the blocks other than its own, by its prior's share): the
         group's measurement skips their unit vectors there (``docs/benchmarks.md`` 13zs: a block
         informs 2 of the 40 periods)."""
         information = self._state.information
-        demoted = torch.zeros(information.shape[-1], dtype=torch.bool, device=information.device)
-        for c in sites:
-            if MAX_UNIT_VECTOR_SITE < len(c) <= unit_vector_size:
-                demoted[c.to(demoted.device)] = True
-        return demoted & (information < SKIPPED_SHARE * information.amax(0))
+        skipped = torch.zeros(information.shape, dtype=torch.bool)
+        for c, is_small in zip(sites, small):
+            if is_small and len(c) > MAX_UNIT_VECTOR_SITE:
+                skipped[:, c] = ~self._informed(c)
+        return skipped.to(information.device)
 
     def _couple_after_all(self, args: tuple, kwargs: dict) -> None:
         """Couple the concentrated coordinates that the whitening's group was to take

@@ -71,10 +71,17 @@ MAX_WHITENED_COORDINATES = 64
 #: cost ``L s`` a block, not ``(L + s)^2``: no other limit on the large sites.
 MAX_PROBED_ENTRIES = 2**24
 
+#: A probed group's coordinates measured by unit vectors (its dense part, ``s``) may number up to
+#: this many where each block measures at most :data:`MAX_WHITENED_COORDINATES` of them and skips
+#: the others, which it informs by their prior alone (:func:`probed_block_hessians`' ``skipped``):
+#: a random effect per period of time, each period inside one block (``docs/benchmarks.md``
+#: 13zu). The map's dense part is ``s x s``.
+MAX_DENSE_COORDINATES = 256
+
 #: In a joint group, a site of at most this many coordinates is measured by its unit vectors; a
 #: larger one by two probes, where its own Hessian is diagonal (:func:`probed_block_hessians`).
-#: Where the probes refuse a group, its smallest large sites are measured by their unit vectors
-#: instead, as long as those stay within :data:`MAX_WHITENED_COORDINATES`
+#: Where the probes refuse a group, one of its large sites at a time is measured by its unit vectors
+#: instead, as long as a block measures at most :data:`MAX_WHITENED_COORDINATES` of them
 #: (:meth:`~pyro_pdvi.infer.upkeep.StepSizeUpkeep._probe_group`).
 MAX_UNIT_VECTOR_SITE = 16
 
@@ -100,38 +107,68 @@ def joint_group(sites: list[torch.Tensor]) -> list[torch.Tensor]:
     return small
 
 
+def unit_vector_sites(sites: list[torch.Tensor]) -> list[bool]:
+    """Which of a joint group's ``sites`` are measured by their unit vectors at first: those of at
+    most :data:`MAX_UNIT_VECTOR_SITE` coordinates (the others, its large sites, by probes)."""
+    return [len(c) <= MAX_UNIT_VECTOR_SITE for c in sites]
+
+
 def probes_apply(
-    sites: list[torch.Tensor], num_blocks: int, unit_vector_size: int = MAX_UNIT_VECTOR_SITE
+    sites: list[torch.Tensor],
+    num_blocks: int,
+    small: list[bool] | None = None,
+    measured: int | None = None,
 ) -> bool:
     """Whether ``sites`` form a joint group whose large sites :func:`probed_block_hessians` would
-    measure by probes: two sites or more, at least one site of more than ``unit_vector_size``
-    coordinates, at most :data:`MAX_WHITENED_COORDINATES` unit vectors for the others, and at most
+    measure by probes: two sites or more, at least one large site, at most
+    :data:`MAX_WHITENED_COORDINATES` unit vectors a block for the others (at most
+    :data:`MAX_DENSE_COORDINATES` of them where the blocks skip some), and at most
     :data:`MAX_PROBED_ENTRIES` numbers in the blocks' Hessians between the two.
 
     :param sites: the candidate sites' flat coordinates.
     :param num_blocks: n.
-    :param unit_vector_size: the largest site measured by its unit vectors.
+    :param small: which sites are measured by their unit vectors (:func:`unit_vector_sites` where
+        ``None``).
+    :param measured: the most unit vectors a block measures where the blocks skip some
+        (:func:`unit_vectors_measured`); ``None``: every block measures them all.
     """
-    sizes = [len(c) for c in sites]
-    small = sum(k for k in sizes if k <= unit_vector_size)
-    large = sum(sizes) - small
+    small = unit_vector_sites(sites) if small is None else small
+    num_small = sum(len(c) for c, is_small in zip(sites, small) if is_small)
+    large = sum(len(c) for c in sites) - num_small
     return (
         len(sites) >= 2
         and large > 0
-        and 0 < small <= MAX_WHITENED_COORDINATES
-        and num_blocks * large * small <= MAX_PROBED_ENTRIES
+        and 0 < num_small <= MAX_DENSE_COORDINATES
+        and (num_small if measured is None else measured) <= MAX_WHITENED_COORDINATES
+        and num_blocks * large * num_small <= MAX_PROBED_ENTRIES
     )
 
 
-def probed_order(sites: list[torch.Tensor], unit_vector_size: int = MAX_UNIT_VECTOR_SITE) -> torch.Tensor:
-    """A probed group's coordinates in the order it is whitened: the large sites' (more than
-    ``unit_vector_size`` coordinates) first, then the others', sorted. First, a large site's
-    coordinates are tied to nothing before them (their own Hessian is diagonal and not tied to the
-    other large sites'), so their ``Delta_j = F_jj``: the map makes each ``a_g`` plus its share of
-    the shared coordinates, which the data fix, and the shared coordinates, last, carry the tie."""
-    large = [c for c in sites if len(c) > unit_vector_size]
-    small = [c for c in sites if len(c) <= unit_vector_size]
-    rest = torch.cat(small).sort().values if small else sites[0][:0]
+def unit_vectors_measured(
+    sites: list[torch.Tensor], small: list[bool], skipped: torch.Tensor | None
+) -> int | None:
+    """The most unit vectors a block measures in the probed group of ``sites`` (those of the
+    ``small`` ones) where it skips the ``skipped`` ones, ``(n, P)`` (:func:`probed_block_hessians`);
+    ``None`` where none is skipped."""
+    if skipped is None or not bool(skipped.any()):
+        return None
+    coordinates = [c for c, is_small in zip(sites, small) if is_small]
+    if not coordinates:
+        return 0
+    return int((~skipped.cpu()[:, torch.cat(coordinates)]).sum(1).max())
+
+
+def probed_order(sites: list[torch.Tensor], small: list[bool] | None = None) -> torch.Tensor:
+    """A probed group's coordinates in the order it is whitened: the large sites' (those not
+    ``small``, :func:`unit_vector_sites` where ``None``) first, then the others', sorted. First, a
+    large site's coordinates are tied to nothing before them (their own Hessian is diagonal and not
+    tied to the other large sites'), so their ``Delta_j = F_jj``: the map makes each ``a_g`` plus
+    its share of the shared coordinates, which the data fix, and the shared coordinates, last,
+    carry the tie."""
+    small = unit_vector_sites(sites) if small is None else small
+    large = [c for c, is_small in zip(sites, small) if not is_small]
+    rest = [c for c, is_small in zip(sites, small) if is_small]
+    rest = torch.cat(rest).sort().values if rest else sites[0][:0]
     return torch.cat([*large, rest])
 
 
@@ -214,22 +251,22 @@ def probed_block_hessians(
     like: torch.Tensor,
     positions: list[torch.Tensor] | None = None,
     tolerance: float = 1e-3,
-    unit_vector_size: int = MAX_UNIT_VECTOR_SITE,
+    small: list[bool] | None = None,
     skipped: torch.Tensor | None = None,
     curvature: torch.Tensor | None = None,
 ) -> GroupHessians | None:
     """Every block's Hessian on a joint group's coordinates (in :func:`probed_order`), measured with few
-    products where its large sites are diagonal: each site of at most :data:`MAX_UNIT_VECTOR_SITE`
-    coordinates by its unit vectors (its rows and, by symmetry, columns), each larger site ``S`` by two
-    probes, ``1_S`` (its ones) and ``r_S`` (random signs on it). Where ``S``'s own Hessian is diagonal
-    and ``S`` is not tied to the other large sites (a random effect per site of the data: each ``a_g``
-    enters its own rows only), ``(H 1_S)_S`` is that diagonal, ``(H r_S)_S`` equals it times ``r_S``, and
-    both vanish on the other large sites. Where large sites are tied to each other position by position
-    (``positions`` given: each site's random intercept ``a_g`` with its random slope ``b_g``, and with
-    nothing else), ``(H 1_S)_T`` is the entry between ``S``'s and ``T``'s coordinates of each position
-    and ``(H r_S)_T`` equals it times ``S``'s sign there: those entries are the group's units
-    (:class:`GroupHessians`), one per position. Any block where a probe shows otherwise (beyond
-    ``tolerance`` of ``S``'s largest curvature) returns ``None``. This is the grouping of Hessian
+    products where its large sites are diagonal: each ``small`` site (at first, of at most
+    :data:`MAX_UNIT_VECTOR_SITE` coordinates) by its unit vectors (its rows and, by symmetry, columns),
+    each other (large) site ``S`` by two probes, ``1_S`` (its ones) and ``r_S`` (random signs on it).
+    Where ``S``'s own Hessian is diagonal and ``S`` is not tied to the other large sites (a random effect
+    per site of the data: each ``a_g`` enters its own rows only), ``(H 1_S)_S`` is that diagonal, ``(H
+    r_S)_S`` equals it times ``r_S``, and both vanish on the other large sites. Where large sites are tied
+    to each other position by position (``positions`` given: each site's random intercept ``a_g`` with its
+    random slope ``b_g``, and with nothing else), ``(H 1_S)_T`` is the entry between ``S``'s and ``T``'s
+    coordinates of each position and ``(H r_S)_T`` equals it times ``S``'s sign there: those entries are
+    the group's units (:class:`GroupHessians`), one per position. Any block where a probe shows otherwise
+    (beyond ``tolerance`` of ``S``'s largest curvature) returns ``None``. This is the grouping of Hessian
     columns by Curtis, Powell & Reid (1974) for that pattern: a group of 200 sites' effects and 6 shared
     coordinates costs 8 products a block, not 206.
 
@@ -241,7 +278,8 @@ def probed_block_hessians(
         flattened value); ``None``: the large sites share no place, and any tie between two of them
         refuses the group.
     :param tolerance: the largest error a probe may show, relative to its site's largest curvature.
-    :param unit_vector_size: the largest site measured by its unit vectors; a larger one is probed.
+    :param small: which sites are measured by their unit vectors (:func:`unit_vector_sites` where
+        ``None``); the others are probed.
     :param skipped: ``(n, P)``, the coordinates whose unit vectors block ``b`` skips, where it
         informs them by their prior's share alone (a period's effect outside its block): their row
         there is taken from the measured rows by symmetry, zero on the large sites, and
@@ -250,8 +288,9 @@ def probed_block_hessians(
     :returns: the arrow (its units of one coordinate each where no two large sites are tied), float64
         on the host, or ``None``.
     """
-    group = probed_order(sites, unit_vector_size)
-    is_large = [len(c) > unit_vector_size for c in sites]
+    small = unit_vector_sites(sites) if small is None else small
+    group = probed_order(sites, small)
+    is_large = [not is_small for is_small in small]
     large = [c for c, keep in zip(sites, is_large) if keep]
     large_index = torch.cat(large)
     small_index = group[len(large_index) :]

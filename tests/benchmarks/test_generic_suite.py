@@ -46,6 +46,12 @@ SMALL = {
     "poisson_nested": lambda: models.PoissonNestedIntercepts(
         F64, num_data=12, num_sites=4, num_regions=2, num_blocks=3
     ),
+    "poisson_nested100": lambda: models.PoissonNestedIntercepts(
+        F64, num_data=12, num_sites=4, num_regions=3, num_blocks=3, name="poisson_nested100"
+    ),
+    "poisson_crossed200": lambda: models.PoissonCrossedIntercepts(
+        F64, num_data=12, num_sites=3, num_periods=6, num_blocks=3, name="poisson_crossed200"
+    ),
 }
 
 
