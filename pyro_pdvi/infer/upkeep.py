@@ -48,12 +48,14 @@ from .whitening import (
     SiteWhitening,
     joint_group,
     measure_whitening,
+    nested_positions,
     probed_block_hessians,
     probed_order,
     probes_apply,
     site_hessians,
     unit_vector_sites,
     unit_vectors_measured,
+    without_indefinite,
 )
 
 #: Where the model's graph has no usable second derivative, the coupling's Hessian products are
@@ -503,10 +505,10 @@ class StepSizeUpkeep:
         state = self._state
         sites, taken = self._whitening_candidates()
         products = self._site_products(args, kwargs, self._side_seed(-6), WHITENING_ROWS)
-        hessians, natural = None, None
+        hessians, natural, nested = None, None, False
         if probes_apply(sites, len(self.partition)):
             # Where the group was to take concentrated coordinates, their warning tells the user.
-            probed, small = self._probe_group(args, kwargs, sites, warn=not bool(taken.any()))
+            probed, small, nested = self._probe_group(args, kwargs, sites, warn=not bool(taken.any()))
             if probed is not None:
                 hessians = [probed]
             elif bool(taken.any()):
@@ -516,7 +518,10 @@ class StepSizeUpkeep:
                 self._apply_step_sizes()
                 return
         if hessians is not None:
-            coordinates, round_sites = [probed_order(sites, small)], []
+            order = probed_order(sites, small)
+            if nested:
+                probed, order = without_indefinite(probed, order)
+            hessians, coordinates, round_sites = [probed], [order], []
             # The large sites keep the natural rule's constant: docs/benchmarks.md 13zo.
             natural = torch.cat([c for c, is_small in zip(sites, small) if not is_small])
         else:
@@ -561,7 +566,7 @@ class StepSizeUpkeep:
 
     def _probe_group(
         self, args: tuple, kwargs: dict, sites: list[torch.Tensor], warn: bool = True
-    ) -> tuple[GroupHessians | None, list[bool]]:
+    ) -> tuple[GroupHessians | None, list[bool], bool]:
         """Every block's Hessian on the probed group of ``sites``
         (:func:`~pyro_pdvi.infer.whitening.probed_block_hessians`), on every row of a block: a few
         products each, and a subset would see few of a random effect's sites, each with a weight
@@ -571,11 +576,14 @@ class StepSizeUpkeep:
         :data:`~pyro_pdvi.infer.whitening.MAX_WHITENED_COORDINATES` unit vectors: a random effect per
         region of the sites, tied to each of its sites' effects (not position by position), is then
         measured exactly (13zr), and so is a random effect per period of time, each period inside one
-        block, which the others skip (13zs, 13zu). Where every try is refused and a site is too large
+        block, which the others skip (13zs, 13zu). Where none is accepted, a large site nested in
+        another (each site's effect in its region's, more regions than unit vectors take) is found
+        by two probes a site (:func:`~pyro_pdvi.infer.whitening.nested_positions`) and measured by
+        units of a region and its sites (13zv). Where every try is refused and a site is too large
         to be whitened by its unit vectors, the user is told (where ``warn``).
 
-        :returns: the group's Hessians (``None`` where refused) and which sites were measured by
-            their unit vectors.
+        :returns: the group's Hessians (``None`` where refused), which sites were measured by
+            their unit vectors, and whether by nested units.
         """
         every_row = self._site_products(args, kwargs, self._side_seed(-6), max_rows=None)
         positions = self._site_positions(sites)
@@ -591,9 +599,20 @@ class StepSizeUpkeep:
                     small=small, curvature=self._state.information, skipped=skipped,
                 )  # fmt: skip
             if probed is not None:
-                return probed, small
+                return probed, small, False
             small = list(small)
             small[self._cheapest_to_demote(sites, small)] = True
+        # Last, a large site nested in another (a site's effect in its region's): units of a region
+        # and its sites (13zv).
+        first, num_blocks, like = unit_vector_sites(sites), len(self.partition), self._state.consensus
+        with self._objective.one_off():
+            places = None
+            if probes_apply(sites, num_blocks, first):
+                places = nested_positions(every_row, num_blocks, sites, like, first, positions)
+            if places is not None:
+                probed = probed_block_hessians(every_row, num_blocks, sites, like, places, small=first)
+                if probed is not None:
+                    return probed, first, True
         # Sites of at most MAX_WHITENED_COORDINATES may still be whitened by unit vectors
         # (joint_group); larger ones keep a diagonal penalty.
         left = [self.layout.site_of(int(c[0])) for c in sites if len(c) > MAX_WHITENED_COORDINATES]
@@ -611,7 +630,7 @@ class StepSizeUpkeep:
                 "SVI+Adam's (docs/benchmarks.md 13zo, 13zp). PDVI.whitened_sites lists the sites "
                 "preconditioned together."
             )
-        return None, small
+        return None, small, False
 
     def _informed(self, coordinates: torch.Tensor) -> torch.Tensor:
         """``(n, k)``: where each block informs each of ``coordinates`` by more than its prior's

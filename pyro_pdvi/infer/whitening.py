@@ -34,8 +34,10 @@ so that a random effect of thousands of sites costs as much per coordinate as on
 sites tied to each other position by position (a random intercept and a random slope per site)
 are measured by the same probes, and each position's coordinates are one unit of the arrow, within
 which ``U`` is dense (:class:`GroupHessians`). A large site tied to another otherwise (a random
-effect per region, tied to each of its sites' effects) is measured by its unit vectors, where
-they are few enough.
+effect per region, tied to each of its sites' effects) is measured by its unit vectors, where a
+block measures few enough of them (the others, which it informs by their prior alone, skipped);
+where not, a site nested in another is found by two more probes a site
+(:func:`nested_positions`), and a region's effect and its sites' are one unit.
 Elsewhere "site" below reads "group".
 
 ``F_s`` is measured once, when every block has had its first step (at the end of the first
@@ -180,7 +182,8 @@ class GroupHessians:
     first. The first part's blocks are its **units**: one coordinate each (a random effect's, whose
     own Hessian is diagonal), or, where large sites are tied to each other position by position
     (each site's random intercept with its random slope), the coordinates at one position of every
-    such site. ``n (L r + L s + s^2)`` numbers (``r`` a unit's size), where the dense matrices
+    such site, or, where one is nested in another (:func:`nested_positions`), a region's effect and
+    its sites'. ``n (L r + L s + s^2)`` numbers (``r`` a unit's size), where the dense matrices
     would be ``n (L + s)^2``.
 
     :param diagonal: the first ``L`` coordinates' curvatures, ``(n, L)``; where ``units`` is given,
@@ -301,14 +304,26 @@ def probed_block_hessians(
         places = [p.cpu() for p, keep in zip(positions, is_large) if keep]
     every_place = torch.cat(places).unique()
     unit_of = [torch.searchsorted(every_place, p) for p in places]
-    units = torch.full((len(every_place), len(large)), -1, dtype=torch.long)
+    # Each site's coordinates take consecutive slots of their unit, after the previous sites' (one
+    # slot a site where places are positions; a region's effect, then its sites', where nested).
+    slot_of, starts = [], [0]
+    for unit in unit_of:
+        rank = _rank_among_equal(unit)
+        slot_of.append(starts[-1] + rank)
+        starts.append(starts[-1] + (int(rank.max()) + 1 if len(rank) else 0))
+    single = [starts[j + 1] - starts[j] == 1 for j in range(len(large))]
+    if sum(not one for one in single) > 1:
+        return None  # two sites with several coordinates a unit: their ties are not measured
+    if num_blocks * len(every_place) * starts[-1] ** 2 > MAX_PROBED_ENTRIES:
+        return None  # a region of very many sites: its unit's blocks would not fit
+    units = torch.full((len(every_place), starts[-1]), -1, dtype=torch.long)
     for j, unit in enumerate(unit_of):
-        units[unit, j] = torch.arange(int(offsets[j]), int(offsets[j + 1]))
+        units[unit, slot_of[j]] = torch.arange(int(offsets[j]), int(offsets[j + 1]))
     generator = torch.Generator().manual_seed(len(group))
     signs = [
         2 * torch.randint(0, 2, (len(site),), generator=generator, dtype=torch.float64) - 1 for site in large
     ]
-    # Site j's sign at each unit (0 where it has no coordinate there).
+    # A single site's sign at each unit (0 where it has no coordinate there).
     sign_at = torch.zeros(len(large), len(every_place), dtype=torch.float64)
     for j, unit in enumerate(unit_of):
         sign_at[j, unit] = signs[j]
@@ -316,7 +331,9 @@ def probed_block_hessians(
     for j, (site, site_signs) in enumerate(zip(large, signs)):
         probes[2 * j, site] = 1.0
         probes[2 * j + 1, site] = site_signs.to(probes)
-    blocks = torch.zeros(num_blocks, len(every_place), len(large), len(large), dtype=torch.float64)
+    blocks = torch.zeros(num_blocks, len(every_place), starts[-1], starts[-1], dtype=torch.float64)
+    # The single sites' probes first: they measure the ties that the other's (nested) cannot.
+    order = sorted(range(len(large)), key=lambda j: not single[j])
     crosses, denses = [], []
     for b in range(num_blocks):
         measured = torch.ones(len(small_index), dtype=torch.bool)
@@ -327,15 +344,31 @@ def probed_block_hessians(
         )
         rows = _rows_of_skipped(found[: int(measured.sum())], measured, small_index, b, curvature)
         found = found[int(measured.sum()) :]
-        for j, site in enumerate(large):
-            ones, signed = found[2 * j], found[2 * j + 1]
+        for j in order:
+            site, ones, signed = large[j], found[2 * j], found[2 * j + 1]
             scale = max(float(ones[site].abs().max()), 1e-30)
             for t, other in enumerate(large):
-                tie, sign = ones[other], sign_at[j, unit_of[t]]
-                error = torch.cat([signed[other] - tie * sign, tie[sign == 0]])
+                if single[j]:
+                    tie, sign = ones[other], sign_at[j, unit_of[t]]
+                    error = torch.cat([signed[other] - tie * sign, tie[sign == 0]])
+                    blocks[b, unit_of[t], starts[j], slot_of[t]] = tie * (sign != 0)
+                    if not single[t]:  # the transpose, which t's probes do not measure
+                        blocks[b, unit_of[t], slot_of[t], starts[j]] = tie * (sign != 0)
+                elif t == j:
+                    tie = ones[other]
+                    error = signed[other] - tie * signs[j]
+                    blocks[b, unit_of[t], slot_of[t], slot_of[t]] = tie
+                else:
+                    # Site j's ties with t's coordinate at each unit, from t's probes: their sums
+                    # are what j's probes measure.
+                    ties = blocks[b, unit_of[t], starts[j] : starts[j + 1], slot_of[t]]
+                    signs_there = signs[j].new_zeros(len(every_place), ties.shape[-1])
+                    signs_there[unit_of[j], slot_of[j] - starts[j]] = signs[j]
+                    error = torch.cat(
+                        [ones[other] - ties.sum(1), signed[other] - (ties * signs_there[unit_of[t]]).sum(1)]
+                    )
                 if not bool(torch.isfinite(error).all()) or float(error.abs().max()) > tolerance * scale:
                     return None
-                blocks[b, unit_of[t], j, t] = tie * (sign != 0)
         crosses.append(rows[:, large_index].T)
         denses.append(rows[:, small_index])
     blocks = (blocks + blocks.transpose(-1, -2)) / 2
@@ -344,6 +377,78 @@ def probed_block_hessians(
     if float(ties.abs().amax()) <= tolerance * float(diagonal.abs().max()):
         return GroupHessians(unpad(diagonal, units), torch.stack(crosses), torch.stack(denses))
     return GroupHessians(blocks, torch.stack(crosses), torch.stack(denses), units)
+
+
+def nested_positions(
+    products: Callable[[int, torch.Tensor], torch.Tensor],
+    num_blocks: int,
+    sites: list[torch.Tensor],
+    like: torch.Tensor,
+    small: list[bool],
+    positions: list[torch.Tensor],
+    tolerance: float = 1e-3,
+) -> list[torch.Tensor] | None:
+    """The places of a probed group's coordinates where a large site ``T`` is nested in another,
+    ``S``: each of ``T``'s coordinates tied to one of ``S``'s only (a site's effect to its region's).
+    Two probes on each large site, summed over the blocks, find them: ``1_S`` and ``v_S``, whose
+    values are distinct (``1 + (i + 1/2) / |S|`` in a random order), so that ``(H v_S)_t / (H
+    1_S)_t`` is the value at ``t``'s coordinate of ``S`` where ``t`` is tied to it alone. ``T``'s
+    coordinates then take their ``S`` coordinates' places, and a unit of
+    :func:`probed_block_hessians`, which checks every tie on every block, holds a region's effect
+    and its sites' (``docs/benchmarks.md`` 13zv).
+
+    :param products: ``(b, V) -> V H_b``.
+    :param num_blocks: n.
+    :param sites: the group's sites' flat coordinates.
+    :param like: a tensor whose last size is ``P``, whose dtype and device the probes take.
+    :param small: which sites are measured by their unit vectors (the others are the large ones).
+    :param positions: each site's places otherwise (its coordinates' indices in the site).
+    :param tolerance: the smallest tie, relative to ``T``'s largest curvature, that ties ``T``'s
+        coordinate to ``S``.
+    :returns: every site's places, or ``None`` where no large site is nested in another, or a
+        site nested in one is nested in a third (a second level).
+    """
+    large = [j for j, is_small in enumerate(small) if not is_small]
+    generator = torch.Generator().manual_seed(len(large))
+    order = {j: torch.randperm(len(sites[j]), generator=generator) for j in large}
+    values = {j: 1 + (order[j].double() + 0.5) / len(sites[j]) for j in large}
+    probes = like.new_zeros(2 * len(large), like.shape[-1])
+    for i, j in enumerate(large):
+        probes[2 * i, sites[j]] = 1.0
+        probes[2 * i + 1, sites[j]] = values[j].to(probes)
+    total = sum(products(b, probes).to("cpu", torch.float64) for b in range(num_blocks))
+    nested = {}
+    for it, t in enumerate(large):
+        own = float(total[2 * it][sites[t]].abs().max())
+        for i, j in enumerate(large):
+            ones, valued = total[2 * i][sites[t]], total[2 * i + 1][sites[t]]
+            if j == t or not bool((ones.abs() > tolerance * own).all()):
+                continue
+            size = len(sites[j])
+            ratio = valued / ones
+            rank = ((ratio - 1) * size - 0.5).round()
+            if not bool(((rank >= 0) & (rank < size)).all()):
+                continue
+            coordinate = order[j].argsort()[rank.long()]
+            if float((ratio - values[j][coordinate]).abs().max()) <= 0.25 / size:
+                nested[t] = (j, coordinate)
+                break
+    if not nested or any(j in nested for j, _ in nested.values()):
+        return None
+    places = [p.cpu() for p in positions]
+    for t, (j, coordinate) in nested.items():
+        places[t] = places[j][coordinate]
+    return places
+
+
+def _rank_among_equal(values: torch.Tensor) -> torch.Tensor:
+    """Each entry's rank among the entries equal to it, in order: ``[3, 1, 3, 3] -> [0, 0, 1, 2]``."""
+    order = torch.sort(values, stable=True).indices
+    sorted_values = values[order]
+    first = torch.searchsorted(sorted_values, sorted_values)
+    rank = torch.empty_like(values)
+    rank[order] = torch.arange(len(values)) - first
+    return rank
 
 
 def _rows_of_skipped(
@@ -765,6 +870,41 @@ def modified_ldl(
         below = matrix[j + 1 :, j] - (lower[j + 1 :, :j] * lower[j, :j] * pivots[:j]).sum(1)
         lower[j + 1 :, j] = below / pivot
     return lower.T.contiguous(), pivots
+
+
+def without_indefinite(group: GroupHessians, coordinates: torch.Tensor) -> tuple[GroupHessians, torch.Tensor]:
+    """A group with a diagonal part whose Schur complement ``C - B' D^-1 B`` is indefinite, without
+    its dense coordinates whose pivot :func:`modified_ldl` would replace: they keep their diagonal
+    penalty. At the first epoch's end a random effect's hyper-scale can make the group indefinite
+    (its prior, not convex in ``(a, log tau)``). Used for a group of nested units
+    (:func:`nested_positions`): on the suite's 200 sites nested in 100 regions
+    (``docs/benchmarks.md`` 13zv) the regions' scale had the negative pivot on both seeds traced;
+    with the modified factor the intercept's step grew 250-fold on one of them, which diverged at
+    the next step, and with the replaced pivots last its sites' scales collapsed; without them both
+    reached 2.3e-4. Elsewhere the modified factor stays (13zq: on the random slopes, leaving the
+    slope coefficient out kept it crawling).
+
+    :param group: the group's Hessians, in the order of ``coordinates``.
+    :param coordinates: its flat coordinates (the leading ``L`` first).
+    :returns: the group and its coordinates, without those coordinates where needed.
+    """
+    eliminated = _eliminate_leading(group)
+    if eliminated is None or not len(eliminated[0]):
+        return group, coordinates
+    schur = (eliminated[3] + eliminated[3].T) / 2
+    if int(torch.linalg.cholesky_ex(schur)[1]) == 0 or not bool(torch.isfinite(schur).all()):
+        return group, coordinates
+    own = group.totals()[2].diagonal()
+    upper, pivots = modified_ldl(schur, torch.where(schur.diagonal() > 0, schur.diagonal(), own))
+    if upper is None:
+        return group, coordinates
+    # The pivot each coordinate had before any floor: M_jj - sum_{k<j} L_jk^2 d_k, L = U'.
+    kept = (schur.diagonal() - upper.T.square() @ pivots + pivots > 0).nonzero().reshape(-1)
+    leading = len(coordinates) - len(schur)
+    reduced = GroupHessians(
+        group.diagonal, group.cross[:, :, kept], group.dense[:, kept][:, :, kept], group.units
+    )
+    return reduced, torch.cat([coordinates[:leading], coordinates[leading:][kept.to(coordinates.device)]])
 
 
 def _condition(group: GroupHessians, factorised: tuple) -> float:

@@ -19,10 +19,12 @@ from pyro_pdvi.infer.whitening import (
     joint_group,
     measure_whitening,
     modified_ldl,
+    nested_positions,
     probed_block_hessians,
     probed_order,
     probes_apply,
     site_hessians,
+    without_indefinite,
 )
 
 from ..toy_models import Hierarchical, intercepts_and_slopes
@@ -360,7 +362,9 @@ class SiteIntercepts:
     (:class:`SiteSlopes`); with ``regions``, the sites nested in that many regions (site ``g`` in
     region ``g mod regions``) and a random intercept ``c_r ~ N(0, 0.3^2)`` per region too; with
     ``periods``, the rows cut into that many runs by ``x`` and a random intercept ``d_p ~ N(0,
-    0.3^2)`` per run too (crossed with the sites' effects)."""
+    0.3^2)`` per run too (crossed with the sites' effects); with ``batches``, each row in one of that
+    many batches at random and a random intercept ``e_k ~ N(0, 0.3^2)`` per batch too (crossed, and
+    every block informs every batch)."""
 
     effect_scale, noise_scale = 0.3, 0.5
 
@@ -373,6 +377,7 @@ class SiteIntercepts:
         slopes: bool = False,
         regions: int = 0,
         periods: int = 0,
+        batches: int = 0,
     ) -> None:
         self.num_sites, self.slopes = num_sites, slopes
         g = torch.Generator().manual_seed(0)
@@ -386,9 +391,11 @@ class SiteIntercepts:
         # Each other kind of effect: its site name, each row's index into it, and how many there are.
         period = torch.empty(num_data, dtype=torch.long)
         period[self.x.argsort()] = torch.arange(num_data) * max(periods, 1) // num_data
+        batch = torch.randint(max(batches, 1), (num_data,), generator=torch.Generator().manual_seed(9))
         kinds = [
             ("c", (torch.arange(num_sites) % max(regions, 1))[self.site], regions),
             ("d", period, periods),
+            ("e", batch, batches),
         ]
         self.groupings = [(name, index, count) for name, index, count in kinds if count]
         onehot = torch.nn.functional.one_hot(self.site, self.num_sites).double()
@@ -466,13 +473,14 @@ def test_sites_tied_to_each_other_are_whitened_together(monkeypatch):
 
 def _probe_first_try_only(patch) -> None:
     """Let PDVI's probes try a group with its first split only (no site measured by its unit
-    vectors after a refusal)."""
+    vectors after a refusal, and no nested units)."""
     once, first = upkeep.probes_apply, whitening.unit_vector_sites
 
     def first_try_only(sites, n, small=None, measured=None):
         return small in (None, first(sites)) and once(sites, n, small, measured)
 
     patch.setattr(upkeep, "probes_apply", first_try_only)
+    patch.setattr(upkeep, "nested_positions", lambda *args, **kwargs: None)
 
 
 def _spy_on_probes(monkeypatch) -> list:
@@ -566,6 +574,28 @@ def _solve_lengths(monkeypatch, pdvi: PDVI, blocks: list) -> set:
     return set(lengths)
 
 
+def test_sites_nested_in_more_regions_than_unit_vectors_take_are_whitened_by_units(monkeypatch):
+    """160 sites' effects nested in 80 regions' (two sites each): the regions are too many to
+    measure by unit vectors (64), so the probes' last try finds each site's region
+    (``nested_positions``) and measures the group by units of a region and its sites (``(80,
+    3)``); the three sites are whitened and the means reach the exact posterior means. Without
+    that try nothing is whitened: at least 10x further after 10 epochs (measured: the largest error
+    of a mean 0.0012 against 0.054; after 40 epochs 1.8e-9 against 6.5e-4)."""
+    problem = SiteIntercepts(num_data=1800, num_sites=160, regions=80)
+    found = _spy_on_probes(monkeypatch)
+    pdvi = problem.fit(10)
+    assert [h is None for h in found] == [True, False] and found[1].units.shape == (80, 3)
+    assert sorted(pdvi.whitened_sites) == ["AutoNormal.locs.a", "AutoNormal.locs.c", "AutoNormal.locs.w"]
+    nested = problem.error()
+    with monkeypatch.context() as patch:
+        patch.setattr(upkeep, "nested_positions", lambda *args, **kwargs: None)
+        pdvi = problem.fit(10)
+        assert pdvi.whitened_sites == []
+        assert nested < 0.1 * problem.error(), (nested, problem.error())
+    problem.fit(40)
+    assert problem.error() < 1e-6
+
+
 def test_a_random_effect_per_period_that_one_block_informs_joins_the_group_of_the_sites_effects(monkeypatch):
     """60 sites' effects crossed with 30 periods' (the rows cut into runs by ``x``, five to a
     block): each period's effect is informed by one block, and they join the probed group (by their
@@ -651,12 +681,13 @@ def test_random_effects_per_site_and_per_period_both_larger_than_64_are_whitened
 
 
 def test_pdvi_says_which_large_sites_it_could_not_whiten():
-    """100 sites' effects nested in 70 regions: the regions are too many to measure by unit vectors
-    (64), so the probes' refusal leaves both sites with a diagonal penalty, and the user is told,
+    """100 sites' effects crossed with 70 batches' (each row's batch at random): every block informs
+    every batch, too many to measure by unit vectors (64), and neither effect is nested in the
+    other, so the probes' refusal leaves both sites with a diagonal penalty, and the user is told,
     the sites named."""
-    problem = SiteIntercepts(num_data=1200, num_sites=100, regions=70)
+    problem = SiteIntercepts(num_data=1200, num_sites=100, batches=70)
     with pytest.warns(
-        UserWarning, match="could not measure how the coordinates of 'AutoNormal.locs.a', 'AutoNormal.locs.c'"
+        UserWarning, match="could not measure how the coordinates of 'AutoNormal.locs.a', 'AutoNormal.locs.e'"
     ):
         pdvi = problem.fit(1)
     assert "AutoNormal.locs.a" not in pdvi.whitened_sites
@@ -890,6 +921,61 @@ def test_sites_tied_position_by_position_are_measured_by_their_probes():
     assert untied.units is None and untied.diagonal.shape == (4, 2 * sites_count)
 
 
+def _dense_of_arrow(group: GroupHessians) -> torch.Tensor:
+    """A probed group's Hessians ``(n, L + s, L + s)`` from its arrow with units."""
+    (n, num_leading, num_dense), present = group.cross.shape, group.units >= 0
+    full = torch.zeros(n, num_leading + num_dense, num_leading + num_dense, dtype=torch.float64)
+    for u, unit in enumerate(group.units):
+        places = unit[present[u]]
+        full[:, places[:, None], places] = group.diagonal[:, u][:, present[u]][:, :, present[u]]
+    full[:, :num_leading, num_leading:] = group.cross
+    full[:, num_leading:, :num_leading] = group.cross.transpose(1, 2)
+    full[:, num_leading:, num_leading:] = group.dense
+    return full
+
+
+def test_sites_nested_in_regions_are_found_by_two_probes_and_measured_by_units():
+    """40 sites' effects nested in 20 regions' (site ``g`` in region ``g mod 20``, both sites larger
+    than 16) and two shared coefficients: the probes refuse the places by index, two probes a large
+    site find each site's region (``nested_positions``), and with those places each block's
+    Hessian is measured exactly by units of a region's effect and its two sites'. A site tied to a
+    second region is found nested in none, and refused with the places of the first."""
+    g = torch.Generator().manual_seed(0)
+    num_sites, num_regions, rows = 40, 20, 600
+    x = torch.randn(rows, generator=g, dtype=torch.float64)
+    site = torch.randint(num_sites, (rows,), generator=g)
+    one_hot = torch.nn.functional.one_hot
+    columns = [
+        one_hot(site, num_sites),
+        one_hot(site % num_regions, num_regions),
+        torch.ones(rows, 1),
+        x[:, None],
+    ]
+    design = torch.cat(columns, 1).double()
+    prior = torch.cat([torch.full((num_sites + num_regions,), 1 / 0.09), torch.ones(2)]).double()
+    blocks = x.argsort().tensor_split(6)
+    hessians = torch.stack([design[b].T @ design[b] / 0.25 + torch.diag(prior) / 6 for b in blocks])
+    size = num_sites + num_regions + 2
+    sites = [torch.arange(num_sites), torch.arange(num_sites, size - 2), torch.arange(size - 2, size)]
+    places = [torch.arange(len(c)) for c in sites]
+    small = [False, False, True]
+
+    def products(b: int, directions: torch.Tensor) -> torch.Tensor:
+        return directions @ hessians[b]
+
+    like = torch.zeros(size, dtype=torch.float64)
+    assert probed_block_hessians(products, 6, sites, like, places) is None
+    nested = nested_positions(products, 6, sites, like, small, places)
+    assert torch.equal(nested[0], torch.arange(num_sites) % num_regions) and torch.equal(nested[1], places[1])
+    found = probed_block_hessians(products, 6, sites, like, nested, small=small)
+    assert found.units.shape == (num_regions, 3)
+    group = probed_order(sites, small)
+    assert torch.allclose(_dense_of_arrow(found), hessians[:, group][:, :, group])
+    hessians[:, 0, num_sites + 5] = hessians[:, num_sites + 5, 0] = 0.5
+    assert nested_positions(products, 6, sites, like, small, places) is None
+    assert probed_block_hessians(products, 6, sites, like, nested, small=small) is None
+
+
 def test_a_block_skips_the_unit_vectors_of_the_coordinates_it_informs_by_their_prior_alone():
     """30 sites' effects crossed with 18 periods' (three to a block of 6, a Gaussian regression's
     means): the periods' effects, measured by their unit vectors, are skipped in the blocks other
@@ -935,6 +1021,27 @@ def test_a_block_skips_the_unit_vectors_of_the_coordinates_it_informs_by_their_p
     assert calls == [2 + 3 + 2] * 6
     for name in ("diagonal", "cross", "dense"):
         assert torch.allclose(getattr(fewer, name), getattr(every, name)), name
+
+
+def test_a_nested_group_leaves_out_the_coordinates_that_make_it_indefinite():
+    """``without_indefinite`` returns a group whose Schur complement is positive definite as it is,
+    and otherwise the group without the dense coordinates whose LDL pivot is not positive (here the
+    second of four, tied to the first more than their curvatures allow), whose own Hessians and
+    ties stay as measured."""
+    dense = torch.diag(torch.tensor([1.0, 1.0, 3.0, 4.0], dtype=torch.float64))
+    dense[0, 1] = dense[1, 0] = 1.5
+    cross = 0.2 * torch.ones(2, 3, 4, dtype=torch.float64) / 2
+    group = GroupHessians(torch.full((2, 3), 5.0, dtype=torch.float64), cross, dense.expand(2, 4, 4) / 2)
+    coordinates = torch.tensor([7, 8, 9, 0, 1, 2, 3])
+    reduced, kept = without_indefinite(group, coordinates)
+    assert torch.equal(kept, torch.tensor([7, 8, 9, 0, 2, 3]))
+    keep = torch.tensor([0, 2, 3])
+    assert torch.equal(reduced.dense, group.dense[:, keep][:, :, keep])
+    assert torch.equal(reduced.cross, group.cross[:, :, keep])
+    assert torch.equal(reduced.diagonal, group.diagonal)
+    diagonal, ties, own = reduced.totals()
+    assert bool((torch.linalg.eigvalsh(own - ties.T @ (ties / diagonal[:, None])) > 0).all())
+    assert without_indefinite(reduced, kept)[0] is reduced
 
 
 def test_a_pivot_that_is_not_positive_is_replaced_by_its_floor():
