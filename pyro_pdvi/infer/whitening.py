@@ -832,9 +832,17 @@ def _factorise(
         return factor.T / rest[:, None], spread, unit_factor, torch.cat([leading, rest])
     if not len(spread) or not bool(torch.isfinite(schur).all()):
         return None  # a group with no diagonal part stays diagonal where F is not positive definite
-    own = group.totals()[2].diagonal()  # where the Schur complement's diagonal is not positive
-    upper, pivots = modified_ldl(schur, torch.where(schur.diagonal() > 0, schur.diagonal(), own))
+    upper, pivots = _floored_ldl(group, schur)
     return None if upper is None else (upper, spread, unit_factor, torch.cat([leading, pivots.sqrt()]))
+
+
+def _floored_ldl(
+    group: GroupHessians, schur: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """:func:`modified_ldl` of a group's Schur complement ``schur`` with its floor: the Schur
+    complement's diagonal where positive, else the coordinate's own curvature ``F_jj``."""
+    own = group.totals()[2].diagonal()
+    return modified_ldl(schur, torch.where(schur.diagonal() > 0, schur.diagonal(), own))
 
 
 def modified_ldl(
@@ -894,8 +902,7 @@ def without_indefinite(group: GroupHessians, coordinates: torch.Tensor) -> tuple
     schur = (eliminated[3] + eliminated[3].T) / 2
     if int(torch.linalg.cholesky_ex(schur)[1]) == 0 or not bool(torch.isfinite(schur).all()):
         return group, coordinates
-    own = group.totals()[2].diagonal()
-    upper, pivots = modified_ldl(schur, torch.where(schur.diagonal() > 0, schur.diagonal(), own))
+    upper, pivots = _floored_ldl(group, schur)
     if upper is None:
         return group, coordinates
     # The pivot each coordinate had before any floor: M_jj - sum_{k<j} L_jk^2 d_k, L = U'.
