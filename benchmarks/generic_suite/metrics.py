@@ -229,15 +229,15 @@ def late_geometric_mean(history: list[dict], key: str, budget: float, share: flo
     """The geometric mean of ``key`` over the records in the last ``share`` of a run's ``budget``
     seconds (its positive, finite values; ``None`` if there are none): a level that one record's
     Monte Carlo noise does not decide, where a run has reached its noise floor (the hierarchical
-    model's ``mu_error`` swings between 1e-8 and 2e-5 from one epoch to the next there, 13zn)."""
-    values = [
-        row[key]
-        for row in history
-        if (1 - share) * budget <= row["seconds"] <= budget + 1e-9
-        and key in row
-        and math.isfinite(row[key])
-        and row[key] > 0
-    ]
+    model's ``mu_error`` swings between 1e-8 and 2e-5 from one epoch to the next there, 13zn).
+    A run whose steps are longer than the last share has no record in it: its level there is the
+    record in force over it, the last one before it."""
+    start = (1 - share) * budget
+    window = [row for row in history if start <= row["seconds"] <= budget + 1e-9]
+    if not window:
+        in_force = at_seconds(history, start)
+        window = [in_force] if in_force is not None else []
+    values = [row[key] for row in window if key in row and math.isfinite(row[key]) and row[key] > 0]
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else None
 
 

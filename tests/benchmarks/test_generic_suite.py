@@ -134,7 +134,8 @@ def test_main_tiny(tmp_path):
 
 def test_the_late_level_is_the_geometric_mean_of_the_budgets_last_half():
     """Records from half the budget on, up to the budget: their geometric mean, one noisy record
-    counting as one of many; a NaN or a zero is left out; none there gives ``None``."""
+    counting as one of many; a NaN or a zero is left out; none there gives the record in force
+    over the last half (the last one before it); a metric no record has gives ``None``."""
     history = [{"seconds": float(s), "error": 1.0} for s in range(5)]
     history += [{"seconds": 5.0 + s, "error": 1e-8 if s % 2 else 1e-6} for s in range(6)]  # 5 .. 10
     history += [{"seconds": 7.5, "error": math.nan}, {"seconds": 8.5, "error": 0.0}]
@@ -142,6 +143,10 @@ def test_the_late_level_is_the_geometric_mean_of_the_budgets_last_half():
     assert late_geometric_mean(history, "error", 10.0) == pytest.approx(1e-7, rel=1e-12)
     assert late_geometric_mean(history, "error", 10.0, share=0.02) == pytest.approx(1e-8)
     assert late_geometric_mean(history, "other", 10.0) is None
+    # Steps longer than the last half (a slow machine's first epochs): the record in force over it.
+    slow = [{"seconds": 0.0, "error": 1.0}, {"seconds": 0.14, "error": 0.5}, {"seconds": 0.31, "error": 0.1}]
+    assert late_geometric_mean(slow, "error", 0.3) == 0.5
+    assert late_geometric_mean(slow[:1], "error", 0.3) == 1.0
 
 
 def test_ppca_names_its_data_sets():
