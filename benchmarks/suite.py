@@ -17,7 +17,8 @@ with a random intercept for each of 40 sites, 20 blocks sorted by time), ``poiss
 sites, 20,000 rows), ``poisson_slopes`` (200 sites, a random slope on time per site too),
 ``poisson_nested`` (200 sites in 20 regions, a random intercept per region too),
 ``poisson_crossed`` (200 sites, a random intercept per period of time too), ``poisson_nested100``
-and ``poisson_crossed200`` (the same with 100 regions, 200 periods) and ``negbin``
+and ``poisson_crossed200`` (the same with 100 regions, 200 periods), ``poisson_nested_slopes``
+(200 sites with a random intercept and slope each, nested in 100 regions) and ``negbin``
 (negative-binomial regression with a random intercept for each of 20 sites, one block per site).
 
 Each model has an independent reference: the optimum of its mean-field family, from the

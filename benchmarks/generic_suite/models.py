@@ -80,6 +80,9 @@ name           model
 ``poisson_crossed200`` ``poisson_crossed`` with 200 periods (50 rows each, about 10 to a
                block): the periods' and the sites' effects both larger than 64 coordinates
                (session 42, 13zu)
+``poisson_nested_slopes`` ``poisson_slopes``' 200 sites nested in 100 regions with a random
+               intercept per region too: each site's intercept and slope tied to each other and
+               both to their region's effect (session 43, 13zw)
 ``negbin``     negative-binomial regression (known total count 2) with a random intercept per
                site, synthetic: 20 sites of 100 rows, one block per site (data sorted by
                site, as by patient), ``AutoNormal``, ``Trace_ELBO()`` (session 39)
@@ -127,6 +130,7 @@ PROBLEM_NAMES = (
     "poisson_crossed",
     "poisson_nested100",
     "poisson_crossed200",
+    "poisson_nested_slopes",
     "negbin",
 )
 
@@ -803,6 +807,37 @@ class PoissonCrossedIntercepts(PoissonGroupedIntercepts):
         )  # fmt: skip
 
 
+class PoissonNestedSlopes(PoissonGroupedIntercepts, PoissonRandomSlopes):
+    """:class:`PoissonRandomSlopes`' sites nested in regions (site ``g`` in region ``g mod R``) with
+    a random intercept per region, ``c_r ~ N(0, tau_c^2)``: each site's intercept and slope are tied
+    to each other, and both to their region's effect (a growth curve per site, sites in regions)."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        num_data: int = 10_000,
+        num_sites: int = 200,
+        num_regions: int = 100,
+        num_blocks: int = 20,
+        name: str = "poisson_nested_slopes",
+    ) -> None:
+        PoissonRandomIntercept.__init__(self, dtype, num_data, num_sites, num_blocks, name=name)
+        self.effect, self.scale, self.num_groups = "c", "tau_c", num_regions
+        site, time = self.data["site"], self.data["x"][:, 1]
+        self.groups = (torch.arange(num_sites) % num_regions)[site]
+        generator = torch.Generator().manual_seed(5)
+        regions = 0.5 * torch.randn(num_regions, generator=generator, dtype=torch.float64)
+        intercepts = 0.3 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
+        slopes = 0.3 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
+        self._redraw_counts(
+            [intercepts[site], slopes[site] * time, regions[self.groups]],
+            generator,
+            f"Poisson regression with a random intercept and a random slope on time per site, a random "
+            f"intercept per region, {num_data} rows, {num_sites} sites in {num_regions} regions, "
+            f"AutoNormal, {num_blocks} blocks sorted by time",
+        )
+
+
 class NegativeBinomialRandomIntercept(PoissonRandomIntercept):
     """:class:`PoissonRandomIntercept`'s design with a negative-binomial likelihood (mean
     ``exp(x w + a_site)``, total count :attr:`total_count`, known) and one block per site: the
@@ -954,6 +989,8 @@ def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
         return PoissonNestedIntercepts(dtype, num_regions=100, name=name)
     if name == "poisson_crossed200":
         return PoissonCrossedIntercepts(dtype, num_periods=200, name=name)
+    if name == "poisson_nested_slopes":
+        return PoissonNestedSlopes(dtype)
     if name == "poisson1000":
         return PoissonRandomIntercept(dtype, num_data=20_000, num_sites=1000, name="poisson1000")
     raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")

@@ -55,6 +55,7 @@ from .models import (
     NormalScale,
     OverdispersedLogistic,
     PoissonGroupedIntercepts,
+    PoissonNestedSlopes,
     PoissonRandomIntercept,
     PoissonRandomSlopes,
     Problem,
@@ -274,32 +275,58 @@ def poisson_neg_elbo(problem: PoissonRandomIntercept, params: dict[str, torch.Te
     return -(total + poisson_expected_log_likelihood(problem.data["y"], log_rate_mean, log_rate_variance))
 
 
-def poisson_slopes_neg_elbo(problem: PoissonRandomSlopes, params: dict[str, torch.Tensor]) -> torch.Tensor:
-    """:func:`poisson_neg_elbo` with each site's slope on time: its prior (scale ``tau_b``) and
-    entropy, and ``b_site t`` in the log rate's mean and variance."""
+def slope_terms(
+    problem: PoissonRandomSlopes, params: dict[str, torch.Tensor], terms: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``terms`` (:func:`random_intercept_terms`' three) with each site's slope on time: its prior
+    (scale ``tau_b``) and entropy, and ``b_site t`` in the log rate's mean and variance."""
     time, site = problem.data["x"][:, 1], problem.data["site"]
-    total, log_rate_mean, log_rate_variance = random_intercept_terms(problem, params)
+    total, log_rate_mean, log_rate_variance = terms
     slopes, m_b, s_b = effect_terms(problem, params, "b", "tau_b")
-    log_rate_mean = log_rate_mean + m_b[site] * time
-    log_rate_variance = log_rate_variance + s_b[site].square() * time.square()
-    return -(
-        total + slopes + poisson_expected_log_likelihood(problem.data["y"], log_rate_mean, log_rate_variance)
+    return (
+        total + slopes,
+        log_rate_mean + m_b[site] * time,
+        log_rate_variance + s_b[site].square() * time.square(),
+    )
+
+
+def grouped_terms(
+    problem: PoissonGroupedIntercepts, params: dict[str, torch.Tensor], terms: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``terms`` with each row's group's intercept (a region's, a period's): its prior (its scale
+    ``problem.scale``) and entropy, and the intercept in the log rate's mean and variance."""
+    total, log_rate_mean, log_rate_variance = terms
+    grouped, m, s = effect_terms(problem, params, problem.effect, problem.scale)
+    return total + grouped, log_rate_mean + m[problem.groups], log_rate_variance + s[problem.groups].square()
+
+
+def poisson_terms_neg_elbo(problem: PoissonRandomIntercept, terms: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The negative ELBO from ``terms``: their total and the counts' expected log likelihood."""
+    total, log_rate_mean, log_rate_variance = terms
+    return -(total + poisson_expected_log_likelihood(problem.data["y"], log_rate_mean, log_rate_variance))
+
+
+def poisson_slopes_neg_elbo(problem: PoissonRandomSlopes, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`poisson_neg_elbo` with each site's slope on time (:func:`slope_terms`)."""
+    return poisson_terms_neg_elbo(
+        problem, slope_terms(problem, params, random_intercept_terms(problem, params))
     )
 
 
 def poisson_grouped_neg_elbo(
     problem: PoissonGroupedIntercepts, params: dict[str, torch.Tensor]
 ) -> torch.Tensor:
-    """:func:`poisson_neg_elbo` with each row's group's intercept (a region's, a period's): its prior
-    (its scale ``problem.scale``) and entropy, and the intercept in the log rate's mean and
-    variance."""
-    total, log_rate_mean, log_rate_variance = random_intercept_terms(problem, params)
-    grouped, m, s = effect_terms(problem, params, problem.effect, problem.scale)
-    log_rate_mean = log_rate_mean + m[problem.groups]
-    log_rate_variance = log_rate_variance + s[problem.groups].square()
-    return -(
-        total + grouped + poisson_expected_log_likelihood(problem.data["y"], log_rate_mean, log_rate_variance)
-    )
+    """:func:`poisson_neg_elbo` with each row's group's intercept (:func:`grouped_terms`)."""
+    terms = grouped_terms(problem, params, random_intercept_terms(problem, params))
+    return poisson_terms_neg_elbo(problem, terms)
+
+
+def poisson_nested_slopes_neg_elbo(
+    problem: PoissonNestedSlopes, params: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """:func:`poisson_neg_elbo` with each site's slope and its region's intercept."""
+    terms = slope_terms(problem, params, random_intercept_terms(problem, params))
+    return poisson_terms_neg_elbo(problem, grouped_terms(problem, params, terms))
 
 
 def negbin_neg_elbo(
@@ -346,6 +373,7 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "poisson_crossed": poisson_grouped_neg_elbo,
     "poisson_nested100": poisson_grouped_neg_elbo,
     "poisson_crossed200": poisson_grouped_neg_elbo,
+    "poisson_nested_slopes": poisson_nested_slopes_neg_elbo,
     "negbin": negbin_neg_elbo,
 }
 
@@ -370,6 +398,7 @@ PARAM_NAMES: dict[str, list[str]] = {
     "poisson_crossed": auto_names("w", "tau", "tau_d", "a", "d"),
     "poisson_nested100": auto_names("w", "tau", "tau_c", "a", "c"),
     "poisson_crossed200": auto_names("w", "tau", "tau_d", "a", "d"),
+    "poisson_nested_slopes": auto_names("w", "tau", "tau_b", "tau_c", "a", "b", "c"),
     "negbin": auto_names("w", "tau", "a"),
 }
 

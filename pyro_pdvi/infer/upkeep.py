@@ -579,8 +579,9 @@ class StepSizeUpkeep:
         block, which the others skip (13zs, 13zu). Where none is accepted, a large site nested in
         another (each site's effect in its region's, more regions than unit vectors take) is found
         by two probes a site (:func:`~pyro_pdvi.infer.whitening.nested_positions`) and measured by
-        units of a region and its sites (13zv). Where every try is refused and a site is too large
-        to be whitened by its unit vectors, the user is told (where ``warn``).
+        units of a region and its sites (13zv; a site's intercept and slope both nested in its
+        region, tied to each other at their own place, 13zw). Where every try is refused and a
+        site is too large to be whitened by its unit vectors, the user is told (where ``warn``).
 
         :returns: the group's Hessians (``None`` where refused), which sites were measured by
             their unit vectors, and whether by nested units.
@@ -610,7 +611,9 @@ class StepSizeUpkeep:
             if probes_apply(sites, num_blocks, first):
                 places = nested_positions(every_row, num_blocks, sites, like, first, positions)
             if places is not None:
-                probed = probed_block_hessians(every_row, num_blocks, sites, like, places, small=first)
+                probed = probed_block_hessians(
+                    every_row, num_blocks, sites, like, places, small=first, own_positions=positions
+                )
                 if probed is not None:
                     return probed, first, True
         # Sites of at most MAX_WHITENED_COORDINATES may still be whitened by unit vectors

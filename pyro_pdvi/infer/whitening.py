@@ -37,7 +37,8 @@ which ``U`` is dense (:class:`GroupHessians`). A large site tied to another othe
 effect per region, tied to each of its sites' effects) is measured by its unit vectors, where a
 block measures few enough of them (the others, which it informs by their prior alone, skipped);
 where not, a site nested in another is found by two more probes a site
-(:func:`nested_positions`), and a region's effect and its sites' are one unit.
+(:func:`nested_positions`), and a region's effect and its sites' are one unit (its sites'
+intercepts and slopes, where both are nested in it, each slope tied to its own site's intercept).
 Elsewhere "site" below reads "group".
 
 ``F_s`` is measured once, when every block has had its first step (at the end of the first
@@ -257,6 +258,7 @@ def probed_block_hessians(
     small: list[bool] | None = None,
     skipped: torch.Tensor | None = None,
     curvature: torch.Tensor | None = None,
+    own_positions: list[torch.Tensor] | None = None,
 ) -> GroupHessians | None:
     """Every block's Hessian on a joint group's coordinates (in :func:`probed_order`), measured with few
     products where its large sites are diagonal: each ``small`` site (at first, of at most
@@ -288,6 +290,12 @@ def probed_block_hessians(
         there is taken from the measured rows by symmetry, zero on the large sites, and
         ``curvature[b]`` on the diagonal (:func:`_rows_of_skipped`).
     :param curvature: ``(n, P)``, the blocks' curvatures, with ``skipped``.
+    :param own_positions: each site's coordinates' places in their own site, where ``positions``
+        nest sites in another (:func:`nested_positions`): where two nested sites share a unit (a
+        site's random intercept and its random slope, both in their region's), a coordinate of one
+        may be tied to the other's at its own place only (its own site's), and ``S``'s probes
+        measure those ties as a single site's do. ``None``: two sites with several coordinates a
+        unit refuse the group.
     :returns: the arrow (its units of one coordinate each where no two large sites are tied), float64
         on the host, or ``None``.
     """
@@ -312,8 +320,14 @@ def probed_block_hessians(
         slot_of.append(starts[-1] + rank)
         starts.append(starts[-1] + (int(rank.max()) + 1 if len(rank) else 0))
     single = [starts[j + 1] - starts[j] == 1 for j in range(len(large))]
+    partners = None
     if sum(not one for one in single) > 1:
-        return None  # two sites with several coordinates a unit: their ties are not measured
+        if own_positions is None:
+            return None  # two sites with several coordinates a unit: their ties are not measured
+        own = [p.cpu() for p, keep in zip(own_positions, is_large) if keep]
+        partners = _partners(own, unit_of, single)
+        if partners is None:
+            return None  # a coordinate's partner in another unit: the units would not hold the tie
     if num_blocks * len(every_place) * starts[-1] ** 2 > MAX_PROBED_ENTRIES:
         return None  # a region of very many sites: its unit's blocks would not fit
     units = torch.full((len(every_place), starts[-1]), -1, dtype=torch.long)
@@ -358,6 +372,12 @@ def probed_block_hessians(
                     tie = ones[other]
                     error = signed[other] - tie * signs[j]
                     blocks[b, unit_of[t], slot_of[t], slot_of[t]] = tie
+                elif not single[t]:
+                    # Each of t's coordinates tied to j's at its own place alone (none: no tie).
+                    tie, partner = ones[other], partners[j, t]
+                    has = partner >= 0
+                    error = torch.cat([signed[other][has] - tie[has] * signs[j][partner[has]], tie[~has]])
+                    blocks[b, unit_of[t][has], slot_of[j][partner[has]], slot_of[t][has]] = tie[has]
                 else:
                     # Site j's ties with t's coordinate at each unit, from t's probes: their sums
                     # are what j's probes measure.
@@ -403,8 +423,10 @@ def nested_positions(
     :param like: a tensor whose last size is ``P``, whose dtype and device the probes take.
     :param small: which sites are measured by their unit vectors (the others are the large ones).
     :param positions: each site's places otherwise (its coordinates' indices in the site).
-    :param tolerance: the smallest tie, relative to ``T``'s largest curvature, that ties ``T``'s
-        coordinate to ``S``.
+    :param tolerance: the smallest tie, relative to its own curvature, that ties a coordinate of
+        ``T`` to ``S``; one barely tied takes the place of the coordinate of another site nested in
+        ``S`` at its own place (a site's slope, barely tied to its region where its times are
+        centred, goes with the site's intercept), else a unit of its own.
     :returns: every site's places, or ``None`` where no large site is nested in another, or a
         site nested in one is nested in a third (a second level).
     """
@@ -419,26 +441,67 @@ def nested_positions(
     total = sum(products(b, probes).to("cpu", torch.float64) for b in range(num_blocks))
     nested = {}
     for it, t in enumerate(large):
-        own = float(total[2 * it][sites[t]].abs().max())
+        own = total[2 * it][sites[t]].abs()
         for i, j in enumerate(large):
             ones, valued = total[2 * i][sites[t]], total[2 * i + 1][sites[t]]
-            if j == t or not bool((ones.abs() > tolerance * own).all()):
+            tied = ones.abs() > tolerance * own
+            # A site is nested in a coarser one only: two of the same size tied one to one are
+            # tied position by position (a site's intercept and its slope).
+            if len(sites[j]) >= len(sites[t]) or not bool(tied.any()):
                 continue
             size = len(sites[j])
-            ratio = valued / ones
+            ratio = valued[tied] / ones[tied]
             rank = ((ratio - 1) * size - 0.5).round()
             if not bool(((rank >= 0) & (rank < size)).all()):
                 continue
-            coordinate = order[j].argsort()[rank.long()]
-            if float((ratio - values[j][coordinate]).abs().max()) <= 0.25 / size:
+            coordinate = torch.full((len(sites[t]),), -1, dtype=torch.long)
+            coordinate[tied] = order[j].argsort()[rank.long()]
+            if float((ratio - values[j][coordinate[tied]]).abs().max()) <= 0.25 / size:
                 nested[t] = (j, coordinate)
                 break
     if not nested or any(j in nested for j, _ in nested.values()):
         return None
-    places = [p.cpu() for p in positions]
+    own = [p.cpu() for p in positions]
+    places = list(own)
     for t, (j, coordinate) in nested.items():
-        places[t] = places[j][coordinate]
+        places[t] = places[j][coordinate.clamp(min=0)]
+    fresh = max(int(p.max()) for p in places if len(p)) + 1
+    for t, (j, coordinate) in nested.items():
+        for k in (coordinate < 0).nonzero().reshape(-1).tolist():
+            # A coordinate barely tied to S: the place of the coordinate at its own place of another
+            # site nested in S and tied to it (a site's slope goes with its intercept), else a unit
+            # of its own; probed_block_hessians checks every tie on every block.
+            partners = [
+                places[u][own[u] == own[t][k]]
+                for u, (i, found) in nested.items()
+                if u != t and i == j and bool((found[own[u] == own[t][k]] >= 0).any())
+            ]
+            if partners:
+                places[t][k] = partners[0][0]
+            else:
+                places[t][k], fresh = fresh, fresh + 1
     return places
+
+
+def _partners(
+    own: list[torch.Tensor], unit_of: list[torch.Tensor], single: list[bool]
+) -> dict[tuple[int, int], torch.Tensor] | None:
+    """For every two large sites ``j != t`` that are not ``single``, which of ``j``'s coordinates
+    has each of ``t``'s own place (its index among ``j``'s, ``-1`` where none): the one it may be
+    tied to. ``None`` where such a pair lies in two units."""
+    several = [j for j, one in enumerate(single) if not one]
+    partners = {}
+    for j in several:
+        place_to_index = {int(p): i for i, p in enumerate(own[j])}
+        for t in several:
+            if t == j:
+                continue
+            partner = torch.tensor([place_to_index.get(int(p), -1) for p in own[t]], dtype=torch.long)
+            has = partner >= 0
+            if not torch.equal(unit_of[j][partner[has]], unit_of[t][has]):
+                return None
+            partners[j, t] = partner
+    return partners
 
 
 def _rank_among_equal(values: torch.Tensor) -> torch.Tensor:
@@ -890,23 +953,36 @@ def without_indefinite(group: GroupHessians, coordinates: torch.Tensor) -> tuple
     with the modified factor the intercept's step grew 250-fold on one of them, which diverged at
     the next step, and with the replaced pivots last its sites' scales collapsed; without them both
     reached 2.3e-4. Elsewhere the modified factor stays (13zq: on the random slopes, leaving the
-    slope coefficient out kept it crawling).
+    slope coefficient out kept it crawling). The coordinates are factorised most tied first (the
+    Schur complement's diagonal over their own curvature, smallest first) and the first whose
+    pivot is not positive left out, the rest factorised again: with a random slope per site too
+    (13zw) the pair that was not positive definite was the slopes' scale ``tau_b`` and the slope
+    coefficient, which their ties to the slopes' effects fix (its Schur diagonal 1% of its own,
+    ``tau_b``'s 95%); in the layout's order the coefficient was left out, and its split with the
+    slopes crawled (0.36 off after 8 epochs, 0.0044 with ``tau_b`` left out instead).
 
     :param group: the group's Hessians, in the order of ``coordinates``.
     :param coordinates: its flat coordinates (the leading ``L`` first).
     :returns: the group and its coordinates, without those coordinates where needed.
     """
     eliminated = _eliminate_leading(group)
-    if eliminated is None or not len(eliminated[0]):
+    if eliminated is None or not len(eliminated[0]) or not bool(torch.isfinite(eliminated[3]).all()):
         return group, coordinates
     schur = (eliminated[3] + eliminated[3].T) / 2
-    if int(torch.linalg.cholesky_ex(schur)[1]) == 0 or not bool(torch.isfinite(schur).all()):
+    # Most tied first: the Schur complement's diagonal over the coordinate's own curvature (the
+    # inverse of its step growth) is smallest where the group's ties matter most to it.
+    own = group.totals()[2].diagonal()
+    kept = torch.sort(schur.diagonal() / own.clamp(min=torch.finfo(own.dtype).tiny), stable=True).indices
+    while len(kept):
+        # The first pivot of the plain LDL in that order that is not positive (cholesky_ex's info,
+        # 1-based): its coordinate is left out, and the rest factorised again without it.
+        failed = int(torch.linalg.cholesky_ex(schur[kept][:, kept])[1])
+        if failed == 0:
+            break
+        kept = torch.cat([kept[: failed - 1], kept[failed:]])
+    if len(kept) == len(schur):
         return group, coordinates
-    upper, pivots = _floored_ldl(group, schur)
-    if upper is None:
-        return group, coordinates
-    # The pivot each coordinate had before any floor: M_jj - sum_{k<j} L_jk^2 d_k, L = U'.
-    kept = (schur.diagonal() - upper.T.square() @ pivots + pivots > 0).nonzero().reshape(-1)
+    kept = kept.sort().values
     leading = len(coordinates) - len(schur)
     reduced = GroupHessians(
         group.diagonal, group.cross[:, :, kept], group.dense[:, kept][:, :, kept], group.units

@@ -52,6 +52,9 @@ SMALL = {
     "poisson_crossed200": lambda: models.PoissonCrossedIntercepts(
         F64, num_data=12, num_sites=3, num_periods=6, num_blocks=3, name="poisson_crossed200"
     ),
+    "poisson_nested_slopes": lambda: models.PoissonNestedSlopes(
+        F64, num_data=12, num_sites=4, num_regions=2, num_blocks=3
+    ),
 }
 
 

@@ -596,6 +596,29 @@ def test_sites_nested_in_more_regions_than_unit_vectors_take_are_whitened_by_uni
     assert problem.error() < 1e-6
 
 
+def test_intercepts_and_slopes_of_sites_nested_in_many_regions_are_whitened_by_units(monkeypatch):
+    """160 sites' random intercepts and random slopes, the sites nested in 80 regions with an effect
+    each: both site effects are found nested in the regions' and each block is measured by units of
+    a region's effect and its two sites' intercepts and slopes (``(80, 5)``); the four sites are
+    whitened and the means reach the exact posterior means. Without the nested try nothing is
+    whitened: at least 10x further after 10 epochs (measured: the largest error of a mean 0.0020
+    against 0.049; after 40 epochs 6.9e-9)."""
+    problem = SiteIntercepts(num_data=2400, num_sites=160, regions=80, slopes=True)
+    found = _spy_on_probes(monkeypatch)
+    pdvi = problem.fit(10)
+    assert found[-1] is not None and found[-1].units.shape == (80, 5)
+    whitened = ["AutoNormal.locs.a", "AutoNormal.locs.b", "AutoNormal.locs.c", "AutoNormal.locs.w"]
+    assert sorted(pdvi.whitened_sites) == whitened
+    nested = problem.error()
+    with monkeypatch.context() as patch:
+        patch.setattr(upkeep, "nested_positions", lambda *args, **kwargs: None)
+        pdvi = problem.fit(10)
+        assert pdvi.whitened_sites == []
+        assert nested < 0.1 * problem.error(), (nested, problem.error())
+    problem.fit(40)
+    assert problem.error() < 1e-6
+
+
 def test_a_random_effect_per_period_that_one_block_informs_joins_the_group_of_the_sites_effects(monkeypatch):
     """60 sites' effects crossed with 30 periods' (the rows cut into runs by ``x``, five to a
     block): each period's effect is informed by one block, and they join the probed group (by their
@@ -976,6 +999,55 @@ def test_sites_nested_in_regions_are_found_by_two_probes_and_measured_by_units()
     assert probed_block_hessians(products, 6, sites, like, nested, small=small) is None
 
 
+def test_an_intercept_and_a_slope_per_site_nested_in_regions_are_measured_by_units():
+    """40 sites' random intercepts and random slopes on ``x``, the sites nested in 20 regions with
+    a random intercept each, and two shared coefficients (a Gaussian regression's means; site
+    ``g`` in region ``g mod 20``): two probes a large site find both site effects nested in the
+    regions' (not in each other, of the same size), site 0's slope barely tied to its region (its
+    ``x`` centred) going with its intercept; each block is then measured exactly by units of a
+    region's effect and its sites' intercepts and slopes, each site's slope tied to its own
+    intercept alone. Without the sites' own places two sites of several coordinates a unit are
+    refused, and so is a slope tied to another site's intercept."""
+    g = torch.Generator().manual_seed(0)
+    num_sites, num_regions, rows = 40, 20, 800
+    x = torch.randn(rows, generator=g, dtype=torch.float64)
+    site = torch.randint(num_sites, (rows,), generator=g)
+    x[site == 0] -= x[site == 0].mean()
+    one_hot = torch.nn.functional.one_hot
+    columns = [
+        one_hot(site, num_sites),
+        one_hot(site, num_sites) * x[:, None],
+        one_hot(site % num_regions, num_regions),
+        torch.ones(rows, 1),
+        x[:, None],
+    ]
+    design = torch.cat(columns, 1).double()
+    prior = torch.cat([torch.full((2 * num_sites + num_regions,), 1 / 0.09), torch.ones(2)]).double()
+    blocks = x.argsort().tensor_split(6)
+    hessians = torch.stack([design[b].T @ design[b] / 0.25 + torch.diag(prior) / 6 for b in blocks])
+    size = 2 * num_sites + num_regions + 2
+    sites = list(torch.arange(size).split([num_sites, num_sites, num_regions, 2]))
+    places = [torch.arange(len(c)) for c in sites]
+    small = [False, False, False, True]
+
+    def products(b: int, directions: torch.Tensor) -> torch.Tensor:
+        return directions @ hessians[b]
+
+    like = torch.zeros(size, dtype=torch.float64)
+    nested = nested_positions(products, 6, sites, like, small, places)
+    regions = torch.arange(num_sites) % num_regions
+    assert torch.equal(nested[0], regions) and torch.equal(nested[1], regions)
+    assert torch.equal(nested[2], places[2])
+    assert float(hessians.sum(0)[num_sites, 2 * num_sites].abs()) < 1e-9  # site 0's slope, untied
+    assert probed_block_hessians(products, 6, sites, like, nested, small=small) is None
+    found = probed_block_hessians(products, 6, sites, like, nested, small=small, own_positions=places)
+    assert found.units.shape == (num_regions, 5)
+    group = probed_order(sites, small)
+    assert torch.allclose(_dense_of_arrow(found), hessians[:, group][:, :, group])
+    hessians[:, num_sites + 1, 2] = hessians[:, 2, num_sites + 1] = 0.5  # site 1's slope, site 2's intercept
+    assert probed_block_hessians(products, 6, sites, like, nested, small=small, own_positions=places) is None
+
+
 def test_a_block_skips_the_unit_vectors_of_the_coordinates_it_informs_by_their_prior_alone():
     """30 sites' effects crossed with 18 periods' (three to a block of 6, a Gaussian regression's
     means): the periods' effects, measured by their unit vectors, are skipped in the blocks other
@@ -1025,9 +1097,9 @@ def test_a_block_skips_the_unit_vectors_of_the_coordinates_it_informs_by_their_p
 
 def test_a_nested_group_leaves_out_the_coordinates_that_make_it_indefinite():
     """``without_indefinite`` returns a group whose Schur complement is positive definite as it is,
-    and otherwise the group without the dense coordinates whose LDL pivot is not positive (here the
-    second of four, tied to the first more than their curvatures allow), whose own Hessians and
-    ties stay as measured."""
+    and otherwise the group without the dense coordinates whose LDL pivot is not positive, the
+    coordinates ordered most tied first (here the second of four, tied to the first more than their
+    curvatures allow, equally tied to the rest), whose own Hessians and ties stay as measured."""
     dense = torch.diag(torch.tensor([1.0, 1.0, 3.0, 4.0], dtype=torch.float64))
     dense[0, 1] = dense[1, 0] = 1.5
     cross = 0.2 * torch.ones(2, 3, 4, dtype=torch.float64) / 2
@@ -1042,6 +1114,18 @@ def test_a_nested_group_leaves_out_the_coordinates_that_make_it_indefinite():
     diagonal, ties, own = reduced.totals()
     assert bool((torch.linalg.eigvalsh(own - ties.T @ (ties / diagonal[:, None])) > 0).all())
     assert without_indefinite(reduced, kept)[0] is reduced
+    # Where the pivots fail in one order and not another, the coordinate the group's ties matter
+    # least to is left out: the first's Schur diagonal is its own curvature (untied to the
+    # leading part), the second's a tenth of its own (its ties remove 2.7 of 3); the pair is
+    # indefinite, and the first goes (the plain order would drop the second).
+    dense = torch.diag(torch.tensor([1.0, 3.0, 3.0, 4.0], dtype=torch.float64))
+    dense[0, 1] = dense[1, 0] = 0.8
+    cross = torch.zeros(2, 3, 4, dtype=torch.float64)
+    cross[:, :, 1] = 1.5
+    group = GroupHessians(torch.full((2, 3), 5.0, dtype=torch.float64), cross, dense.expand(2, 4, 4) / 2)
+    reduced, kept = without_indefinite(group, coordinates)
+    assert torch.equal(kept, torch.tensor([7, 8, 9, 1, 2, 3]))
+    assert torch.linalg.cholesky_ex(torch.tensor([[1.0, 0.8], [0.8, 0.3]]))[1] == 2  # the plain order
 
 
 def test_a_pivot_that_is_not_positive_is_replaced_by_its_floor():
