@@ -895,17 +895,10 @@ def _factorise(
         return factor.T / rest[:, None], spread, unit_factor, torch.cat([leading, rest])
     if not len(spread) or not bool(torch.isfinite(schur).all()):
         return None  # a group with no diagonal part stays diagonal where F is not positive definite
-    upper, pivots = _floored_ldl(group, schur)
-    return None if upper is None else (upper, spread, unit_factor, torch.cat([leading, pivots.sqrt()]))
-
-
-def _floored_ldl(
-    group: GroupHessians, schur: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-    """:func:`modified_ldl` of a group's Schur complement ``schur`` with its floor: the Schur
-    complement's diagonal where positive, else the coordinate's own curvature ``F_jj``."""
+    # The floor: the Schur complement's diagonal where positive, else the coordinate's own curvature.
     own = group.totals()[2].diagonal()
-    return modified_ldl(schur, torch.where(schur.diagonal() > 0, schur.diagonal(), own))
+    upper, pivots = modified_ldl(schur, torch.where(schur.diagonal() > 0, schur.diagonal(), own))
+    return None if upper is None else (upper, spread, unit_factor, torch.cat([leading, pivots.sqrt()]))
 
 
 def modified_ldl(
@@ -945,8 +938,9 @@ def modified_ldl(
 
 def without_indefinite(group: GroupHessians, coordinates: torch.Tensor) -> tuple[GroupHessians, torch.Tensor]:
     """A group with a diagonal part whose Schur complement ``C - B' D^-1 B`` is indefinite, without
-    its dense coordinates whose pivot :func:`modified_ldl` would replace: they keep their diagonal
-    penalty. At the first epoch's end a random effect's hyper-scale can make the group indefinite
+    the dense coordinates whose LDL pivot is not positive, most tied factorised first (below):
+    they keep their diagonal penalty, and the rest is factorised without :func:`modified_ldl`'s
+    floors. At the first epoch's end a random effect's hyper-scale can make the group indefinite
     (its prior, not convex in ``(a, log tau)``). Used for a group of nested units
     (:func:`nested_positions`): on the suite's 200 sites nested in 100 regions
     (``docs/benchmarks.md`` 13zv) the regions' scale had the negative pivot on both seeds traced;
