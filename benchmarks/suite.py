@@ -18,7 +18,8 @@ sites, 20,000 rows), ``poisson_slopes`` (200 sites, a random slope on time per s
 ``poisson_nested`` (200 sites in 20 regions, a random intercept per region too),
 ``poisson_crossed`` (200 sites, a random intercept per period of time too), ``poisson_nested100``
 and ``poisson_crossed200`` (the same with 100 regions, 200 periods), ``poisson_nested_slopes``
-(200 sites with a random intercept and slope each, nested in 100 regions) and ``negbin``
+(200 sites with a random intercept and slope each, nested in 100 regions),
+``poisson_three_levels`` (200 sites in 100 regions in 20 countries) and ``negbin``
 (negative-binomial regression with a random intercept for each of 20 sites, one block per site).
 
 Each model has an independent reference: the optimum of its mean-field family, from the

@@ -289,6 +289,19 @@ def test_random_slopes_whitened_by_units_on_cuda():
     assert problem.error() < 1e-6
 
 
+def test_nested_intercepts_and_slopes_whitened_by_units_on_cuda():
+    """160 sites' intercepts and slopes nested in 80 regions, found by the nested probes and
+    whitened by units of a region and its sites (``docs/benchmarks.md`` 13zw) on the device: the
+    units' factors and the state stay there, and the means reach the exact posterior means as on
+    the CPU (``tests/infer/test_whitening.py``: 6.9e-9 after 40 epochs)."""
+    problem = SiteIntercepts(num_data=2400, num_sites=160, regions=80, slopes=True, device="cuda")
+    pdvi = problem.fit(40)
+    whitened = ["AutoNormal.locs.a", "AutoNormal.locs.b", "AutoNormal.locs.c", "AutoNormal.locs.w"]
+    assert sorted(pdvi.whitened_sites) == whitened
+    assert pdvi._coupling.unit_factors[0].device.type == "cuda" and pdvi.state.consensus.device.type == "cuda"
+    assert problem.error() < 1e-6
+
+
 def test_sampled_blocks_measured_again_on_cuda(monkeypatch):
     """Concentration measured again on every row where blocks were sampled (``docs/benchmarks.md``
     13zp) on the device: 40 sites' effects spread over 6 blocks of 100, first measured on 16 rows

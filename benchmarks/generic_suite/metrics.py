@@ -68,6 +68,7 @@ PLOTTED = {
     "poisson_nested100": ("rmse_mean", "sd_error"),
     "poisson_crossed200": ("rmse_mean", "sd_error"),
     "poisson_nested_slopes": ("rmse_mean", "sd_error"),
+    "poisson_three_levels": ("rmse_mean", "sd_error"),
     "negbin": ("rmse_mean", "sd_error"),
 }
 

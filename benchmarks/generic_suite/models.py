@@ -83,6 +83,8 @@ name           model
 ``poisson_nested_slopes`` ``poisson_slopes``' 200 sites nested in 100 regions with a random
                intercept per region too: each site's intercept and slope tied to each other and
                both to their region's effect (session 43, 13zw)
+``poisson_three_levels`` ``poisson_nested100``'s 200 sites in 100 regions, the regions nested in
+               20 countries with a random intercept per country too (session 43, 13zx)
 ``negbin``     negative-binomial regression (known total count 2) with a random intercept per
                site, synthetic: 20 sites of 100 rows, one block per site (data sorted by
                site, as by patient), ``AutoNormal``, ``Trace_ELBO()`` (session 39)
@@ -131,6 +133,7 @@ PROBLEM_NAMES = (
     "poisson_nested100",
     "poisson_crossed200",
     "poisson_nested_slopes",
+    "poisson_three_levels",
     "negbin",
 )
 
@@ -838,6 +841,47 @@ class PoissonNestedSlopes(PoissonGroupedIntercepts, PoissonRandomSlopes):
         )
 
 
+class PoissonThreeLevels(PoissonGroupedIntercepts):
+    """:class:`PoissonNestedIntercepts`' sites nested in regions (site ``g`` in region ``g mod R``),
+    the regions nested in countries (region ``r`` in country ``r mod Q``), a random intercept per
+    site, region and country (``k_q ~ N(0, tau_k^2)``, ``tau_k ~ HalfNormal(1)``): three levels."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        num_data: int = 10_000,
+        num_sites: int = 200,
+        num_regions: int = 100,
+        num_countries: int = 20,
+        num_blocks: int = 20,
+        name: str = "poisson_three_levels",
+    ) -> None:
+        PoissonRandomIntercept.__init__(self, dtype, num_data, num_sites, num_blocks, name=name)
+        self.effect, self.scale, self.num_groups = "c", "tau_c", num_regions
+        self.groups = (torch.arange(num_sites) % num_regions)[self.data["site"]]
+        self.num_countries = num_countries
+        self.countries = (torch.arange(num_regions) % num_countries)[self.groups]
+        generator = torch.Generator().manual_seed(7)
+        sites = 0.3 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
+        regions = 0.4 * torch.randn(num_regions, generator=generator, dtype=torch.float64)
+        countries = 0.5 * torch.randn(num_countries, generator=generator, dtype=torch.float64)
+        self._redraw_counts(
+            [sites[self.data["site"]], regions[self.groups], countries[self.countries]],
+            generator,
+            f"Poisson regression with a random intercept per site, region and country, {num_data} rows, "
+            f"{num_sites} sites in {num_regions} regions in {num_countries} countries, AutoNormal, "
+            f"{num_blocks} blocks sorted by time",
+        )
+
+    def grouped_effects(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
+        effects = super().grouped_effects(zero)
+        effects.update(self.group_intercepts(zero, "k", "tau_k", self.num_countries))
+        return effects
+
+    def site_terms(self, effects: dict[str, torch.Tensor], ind: torch.Tensor) -> torch.Tensor:
+        return super().site_terms(effects, ind) + effects["k"][..., self.countries[ind]]
+
+
 class NegativeBinomialRandomIntercept(PoissonRandomIntercept):
     """:class:`PoissonRandomIntercept`'s design with a negative-binomial likelihood (mean
     ``exp(x w + a_site)``, total count :attr:`total_count`, known) and one block per site: the
@@ -991,6 +1035,8 @@ def _make_problem(name: str, quick: bool, dtype: torch.dtype) -> Problem:
         return PoissonCrossedIntercepts(dtype, num_periods=200, name=name)
     if name == "poisson_nested_slopes":
         return PoissonNestedSlopes(dtype)
+    if name == "poisson_three_levels":
+        return PoissonThreeLevels(dtype)
     if name == "poisson1000":
         return PoissonRandomIntercept(dtype, num_data=20_000, num_sites=1000, name="poisson1000")
     raise ValueError(f"Unknown model {name!r}; use one of {PROBLEM_NAMES}")

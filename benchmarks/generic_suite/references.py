@@ -58,6 +58,7 @@ from .models import (
     PoissonNestedSlopes,
     PoissonRandomIntercept,
     PoissonRandomSlopes,
+    PoissonThreeLevels,
     Problem,
     RobustRegression,
 )
@@ -295,9 +296,22 @@ def grouped_terms(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``terms`` with each row's group's intercept (a region's, a period's): its prior (its scale
     ``problem.scale``) and entropy, and the intercept in the log rate's mean and variance."""
+    return intercept_terms(problem, params, terms, problem.effect, problem.scale, problem.groups)
+
+
+def intercept_terms(
+    problem: PoissonRandomIntercept,
+    params: dict[str, torch.Tensor],
+    terms: tuple[torch.Tensor, ...],
+    effect: str,
+    scale: str,
+    groups: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``terms`` with a random intercept ``effect`` (its prior scale ``scale``) of each row's group
+    in ``groups``."""
     total, log_rate_mean, log_rate_variance = terms
-    grouped, m, s = effect_terms(problem, params, problem.effect, problem.scale)
-    return total + grouped, log_rate_mean + m[problem.groups], log_rate_variance + s[problem.groups].square()
+    grouped, m, s = effect_terms(problem, params, effect, scale)
+    return total + grouped, log_rate_mean + m[groups], log_rate_variance + s[groups].square()
 
 
 def poisson_terms_neg_elbo(problem: PoissonRandomIntercept, terms: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -327,6 +341,15 @@ def poisson_nested_slopes_neg_elbo(
     """:func:`poisson_neg_elbo` with each site's slope and its region's intercept."""
     terms = slope_terms(problem, params, random_intercept_terms(problem, params))
     return poisson_terms_neg_elbo(problem, grouped_terms(problem, params, terms))
+
+
+def poisson_three_levels_neg_elbo(
+    problem: PoissonThreeLevels, params: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """:func:`poisson_grouped_neg_elbo` with each row's country's intercept too."""
+    terms = grouped_terms(problem, params, random_intercept_terms(problem, params))
+    terms = intercept_terms(problem, params, terms, "k", "tau_k", problem.countries)
+    return poisson_terms_neg_elbo(problem, terms)
 
 
 def negbin_neg_elbo(
@@ -374,6 +397,7 @@ NEG_ELBO: dict[str, Callable[[Problem, dict[str, torch.Tensor]], torch.Tensor]] 
     "poisson_nested100": poisson_grouped_neg_elbo,
     "poisson_crossed200": poisson_grouped_neg_elbo,
     "poisson_nested_slopes": poisson_nested_slopes_neg_elbo,
+    "poisson_three_levels": poisson_three_levels_neg_elbo,
     "negbin": negbin_neg_elbo,
 }
 
@@ -399,6 +423,7 @@ PARAM_NAMES: dict[str, list[str]] = {
     "poisson_nested100": auto_names("w", "tau", "tau_c", "a", "c"),
     "poisson_crossed200": auto_names("w", "tau", "tau_d", "a", "d"),
     "poisson_nested_slopes": auto_names("w", "tau", "tau_b", "tau_c", "a", "b", "c"),
+    "poisson_three_levels": auto_names("w", "tau", "tau_c", "tau_k", "a", "c", "k"),
     "negbin": auto_names("w", "tau", "a"),
 }
 

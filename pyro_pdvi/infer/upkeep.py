@@ -580,8 +580,10 @@ class StepSizeUpkeep:
         another (each site's effect in its region's, more regions than unit vectors take) is found
         by two probes a site (:func:`~pyro_pdvi.infer.whitening.nested_positions`) and measured by
         units of a region and its sites (13zv; a site's intercept and slope both nested in its
-        region, tied to each other at their own place, 13zw). Where every try is refused and a
-        site is too large to be whitened by its unit vectors, the user is told (where ``warn``).
+        region, tied to each other at their own place, 13zw), on each split the probes applied to in
+        turn (the regions nested in few enough countries, measured by their unit vectors: 13zx).
+        Where every try is refused and a site is too large to be whitened by its unit vectors, the
+        user is told (where ``warn``).
 
         :returns: the group's Hessians (``None`` where refused), which sites were measured by
             their unit vectors, and whether by nested units.
@@ -589,11 +591,13 @@ class StepSizeUpkeep:
         every_row = self._site_products(args, kwargs, self._side_seed(-6), max_rows=None)
         positions = self._site_positions(sites)
         small = unit_vector_sites(sites)
+        splits = []  # each split the probes apply to, with the unit vectors its blocks skip
         while True:
             skipped = self._skipped_unit_vectors(sites, small)
             measured = unit_vectors_measured(sites, small, skipped)
             if not probes_apply(sites, len(self.partition), small, measured):
                 break
+            splits.append((small, skipped))
             with self._objective.one_off():
                 probed = probed_block_hessians(
                     every_row, len(self.partition), sites, self._state.consensus, positions,
@@ -604,18 +608,20 @@ class StepSizeUpkeep:
             small = list(small)
             small[self._cheapest_to_demote(sites, small)] = True
         # Last, a large site nested in another (a site's effect in its region's): units of a region
-        # and its sites (13zv).
-        first, num_blocks, like = unit_vector_sites(sites), len(self.partition), self._state.consensus
-        with self._objective.one_off():
-            places = None
-            if probes_apply(sites, num_blocks, first):
-                places = nested_positions(every_row, num_blocks, sites, like, first, positions)
-            if places is not None:
+        # and its sites (13zv), on each split in turn (a third level, small enough, measured by its
+        # unit vectors: 13zx).
+        num_blocks, like = len(self.partition), self._state.consensus
+        for split, split_skipped in splits:
+            with self._objective.one_off():
+                places = nested_positions(every_row, num_blocks, sites, like, split, positions)
+                if places is None:
+                    continue
                 probed = probed_block_hessians(
-                    every_row, num_blocks, sites, like, places, small=first, own_positions=positions
-                )
-                if probed is not None:
-                    return probed, first, True
+                    every_row, num_blocks, sites, like, places, small=split, skipped=split_skipped,
+                    curvature=self._state.information, own_positions=positions,
+                )  # fmt: skip
+            if probed is not None:
+                return probed, split, True
         # Sites of at most MAX_WHITENED_COORDINATES may still be whitened by unit vectors
         # (joint_group); larger ones keep a diagonal penalty.
         left = [self.layout.site_of(int(c[0])) for c in sites if len(c) > MAX_WHITENED_COORDINATES]

@@ -38,7 +38,8 @@ effect per region, tied to each of its sites' effects) is measured by its unit v
 block measures few enough of them (the others, which it informs by their prior alone, skipped);
 where not, a site nested in another is found by two more probes a site
 (:func:`nested_positions`), and a region's effect and its sites' are one unit (its sites'
-intercepts and slopes, where both are nested in it, each slope tied to its own site's intercept).
+intercepts and slopes, where both are nested in it, each slope tied to its own site's intercept;
+a coarser level above the regions, of few enough coordinates, is measured by its unit vectors).
 Elsewhere "site" below reads "group".
 
 ``F_s`` is measured once, when every block has had its first step (at the end of the first

@@ -55,6 +55,9 @@ SMALL = {
     "poisson_nested_slopes": lambda: models.PoissonNestedSlopes(
         F64, num_data=12, num_sites=4, num_regions=2, num_blocks=3
     ),
+    "poisson_three_levels": lambda: models.PoissonThreeLevels(
+        F64, num_data=12, num_sites=4, num_regions=3, num_countries=2, num_blocks=3
+    ),
 }
 
 

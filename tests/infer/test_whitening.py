@@ -364,7 +364,9 @@ class SiteIntercepts:
     ``periods``, the rows cut into that many runs by ``x`` and a random intercept ``d_p ~ N(0,
     0.3^2)`` per run too (crossed with the sites' effects); with ``batches``, each row in one of that
     many batches at random and a random intercept ``e_k ~ N(0, 0.3^2)`` per batch too (crossed, and
-    every block informs every batch)."""
+    every block informs every batch); with ``countries`` (and ``regions``), the regions nested in
+    that many countries (region ``r`` in country ``r mod countries``) and a random intercept ``k_q
+    ~ N(0, 0.3^2)`` per country too (three levels)."""
 
     effect_scale, noise_scale = 0.3, 0.5
 
@@ -378,6 +380,7 @@ class SiteIntercepts:
         regions: int = 0,
         periods: int = 0,
         batches: int = 0,
+        countries: int = 0,
     ) -> None:
         self.num_sites, self.slopes = num_sites, slopes
         g = torch.Generator().manual_seed(0)
@@ -396,6 +399,7 @@ class SiteIntercepts:
             ("c", (torch.arange(num_sites) % max(regions, 1))[self.site], regions),
             ("d", period, periods),
             ("e", batch, batches),
+            ("k", (torch.arange(num_sites) % max(regions, 1) % max(countries, 1))[self.site], countries),
         ]
         self.groupings = [(name, index, count) for name, index, count in kinds if count]
         onehot = torch.nn.functional.one_hot(self.site, self.num_sites).double()
@@ -615,6 +619,37 @@ def test_intercepts_and_slopes_of_sites_nested_in_many_regions_are_whitened_by_u
         pdvi = problem.fit(10)
         assert pdvi.whitened_sites == []
         assert nested < 0.1 * problem.error(), (nested, problem.error())
+    problem.fit(40)
+    assert problem.error() < 1e-6
+
+
+def test_sites_in_regions_in_countries_are_whitened_by_units_and_the_countries_unit_vectors(monkeypatch):
+    """160 sites' effects nested in 80 regions', nested in 20 countries' (three levels): the nested
+    try on the first split finds a second level and is refused, and on the split with the
+    countries measured by their unit vectors finds the sites nested in the regions, whose units
+    take a region and its sites (``(80, 3)``); the four sites are whitened and the means reach
+    the exact posterior means. With the nested try on the first split only, as before, only the
+    countries and the shared coefficients are whitened (as one group of unit vectors): at least 10x
+    further after 10 epochs (measured: the largest error of a mean 0.0017
+    against 0.12; after 40 epochs 1.5e-8)."""
+    problem = SiteIntercepts(num_data=1800, num_sites=160, regions=80, countries=20)
+    found = _spy_on_probes(monkeypatch)
+    pdvi = problem.fit(10)
+    assert found[-1] is not None and found[-1].units.shape == (80, 3)
+    whitened = ["AutoNormal.locs.a", "AutoNormal.locs.c", "AutoNormal.locs.k", "AutoNormal.locs.w"]
+    assert sorted(pdvi.whitened_sites) == whitened
+    three_levels = problem.error()
+    with monkeypatch.context() as patch:
+        nested = upkeep.nested_positions
+
+        def on_the_first_split_only(products, n, sites, like, small, positions):
+            first = small == whitening.unit_vector_sites(sites)
+            return nested(products, n, sites, like, small, positions) if first else None
+
+        patch.setattr(upkeep, "nested_positions", on_the_first_split_only)
+        pdvi = problem.fit(10)
+        assert sorted(pdvi.whitened_sites) == ["AutoNormal.locs.k", "AutoNormal.locs.w"]
+        assert three_levels < 0.1 * problem.error(), (three_levels, problem.error())
     problem.fit(40)
     assert problem.error() < 1e-6
 
