@@ -755,6 +755,12 @@ class PoissonGroupedIntercepts(PoissonRandomIntercept):
         sites = site_scale * torch.randn(self.num_sites, generator=generator, dtype=torch.float64)
         self._redraw_counts([sites[self.data["site"]], grouped[groups]], generator, title)
 
+    def _nest_sites(self, num_regions: int) -> None:
+        """The sites nested in ``num_regions`` regions (site ``g`` in region ``g mod R``), a random
+        intercept ``c`` per region with its scale ``tau_c``; the counts are the caller's to draw."""
+        self.effect, self.scale, self.num_groups = "c", "tau_c", num_regions
+        self.groups = (torch.arange(self.num_sites) % num_regions)[self.data["site"]]
+
     def grouped_effects(self, zero: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.group_intercepts(zero, self.effect, self.scale, self.num_groups)
 
@@ -825,9 +831,8 @@ class PoissonNestedSlopes(PoissonGroupedIntercepts, PoissonRandomSlopes):
         name: str = "poisson_nested_slopes",
     ) -> None:
         PoissonRandomIntercept.__init__(self, dtype, num_data, num_sites, num_blocks, name=name)
-        self.effect, self.scale, self.num_groups = "c", "tau_c", num_regions
+        self._nest_sites(num_regions)
         site, time = self.data["site"], self.data["x"][:, 1]
-        self.groups = (torch.arange(num_sites) % num_regions)[site]
         generator = torch.Generator().manual_seed(5)
         regions = 0.5 * torch.randn(num_regions, generator=generator, dtype=torch.float64)
         intercepts = 0.3 * torch.randn(num_sites, generator=generator, dtype=torch.float64)
@@ -857,8 +862,7 @@ class PoissonThreeLevels(PoissonGroupedIntercepts):
         name: str = "poisson_three_levels",
     ) -> None:
         PoissonRandomIntercept.__init__(self, dtype, num_data, num_sites, num_blocks, name=name)
-        self.effect, self.scale, self.num_groups = "c", "tau_c", num_regions
-        self.groups = (torch.arange(num_sites) % num_regions)[self.data["site"]]
+        self._nest_sites(num_regions)
         self.num_countries = num_countries
         self.countries = (torch.arange(num_regions) % num_countries)[self.groups]
         generator = torch.Generator().manual_seed(7)
