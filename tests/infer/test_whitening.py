@@ -578,41 +578,27 @@ def _solve_lengths(monkeypatch, pdvi: PDVI, blocks: list) -> set:
     return set(lengths)
 
 
-def test_sites_nested_in_more_regions_than_unit_vectors_take_are_whitened_by_units(monkeypatch):
+@pytest.mark.parametrize(
+    "slopes, num_data, unit_size, whitened",
+    [(False, 1800, 3, ["a", "c", "w"]), (True, 2400, 5, ["a", "b", "c", "w"])],
+)
+def test_sites_nested_in_more_regions_than_unit_vectors_take_are_whitened_by_units(
+    monkeypatch, slopes, num_data, unit_size, whitened
+):
     """160 sites' effects nested in 80 regions' (two sites each): the regions are too many to
     measure by unit vectors (64), so the probes' last try finds each site's region
     (``nested_positions``) and measures the group by units of a region and its sites (``(80,
-    3)``); the three sites are whitened and the means reach the exact posterior means. Without
-    that try nothing is whitened: at least 10x further after 10 epochs (measured: the largest error
-    of a mean 0.0012 against 0.054; after 40 epochs 1.8e-9 against 6.5e-4)."""
-    problem = SiteIntercepts(num_data=1800, num_sites=160, regions=80)
+    3)``); with a random slope per site too, both site effects are found nested in the regions'
+    (not in each other) and a unit holds a region's effect and its two sites' intercepts and
+    slopes (``(80, 5)``). The sites are whitened and the means reach the exact posterior means.
+    Without that try nothing is whitened: at least 10x further after 10 epochs (measured: the
+    largest error of a mean 0.0012 against 0.054, after 40 epochs 1.8e-9 against 6.5e-4; with
+    the slopes 0.0020 against 0.049, after 40 epochs 6.9e-9)."""
+    problem = SiteIntercepts(num_data=num_data, num_sites=160, regions=80, slopes=slopes)
     found = _spy_on_probes(monkeypatch)
     pdvi = problem.fit(10)
-    assert [h is None for h in found] == [True, False] and found[1].units.shape == (80, 3)
-    assert sorted(pdvi.whitened_sites) == ["AutoNormal.locs.a", "AutoNormal.locs.c", "AutoNormal.locs.w"]
-    nested = problem.error()
-    with monkeypatch.context() as patch:
-        patch.setattr(upkeep, "nested_positions", lambda *args, **kwargs: None)
-        pdvi = problem.fit(10)
-        assert pdvi.whitened_sites == []
-        assert nested < 0.1 * problem.error(), (nested, problem.error())
-    problem.fit(40)
-    assert problem.error() < 1e-6
-
-
-def test_intercepts_and_slopes_of_sites_nested_in_many_regions_are_whitened_by_units(monkeypatch):
-    """160 sites' random intercepts and random slopes, the sites nested in 80 regions with an effect
-    each: both site effects are found nested in the regions' and each block is measured by units of
-    a region's effect and its two sites' intercepts and slopes (``(80, 5)``); the four sites are
-    whitened and the means reach the exact posterior means. Without the nested try nothing is
-    whitened: at least 10x further after 10 epochs (measured: the largest error of a mean 0.0020
-    against 0.049; after 40 epochs 6.9e-9)."""
-    problem = SiteIntercepts(num_data=2400, num_sites=160, regions=80, slopes=True)
-    found = _spy_on_probes(monkeypatch)
-    pdvi = problem.fit(10)
-    assert found[-1] is not None and found[-1].units.shape == (80, 5)
-    whitened = ["AutoNormal.locs.a", "AutoNormal.locs.b", "AutoNormal.locs.c", "AutoNormal.locs.w"]
-    assert sorted(pdvi.whitened_sites) == whitened
+    assert [h is None for h in found] == [True, False] and found[1].units.shape == (80, unit_size)
+    assert sorted(pdvi.whitened_sites) == [f"AutoNormal.locs.{name}" for name in whitened]
     nested = problem.error()
     with monkeypatch.context() as patch:
         patch.setattr(upkeep, "nested_positions", lambda *args, **kwargs: None)
